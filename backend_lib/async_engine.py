@@ -1,0 +1,214 @@
+"""AsyncEngine: the step loop on one background thread, a dispatcher thread that delivers
+each request's outputs in order (callback or blocking iterator), abort by request id.
+
+Threads: the caller's (add_request/abort only enqueue), the engine thread (owns LLMEngine,
+all torch work), the dispatcher thread (runs callbacks, e.g. Triton's response sender).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+from .config import EngineConfig
+from .engine import EngineStats, LLMEngine
+from .request import FinishReason, RequestOutput, SamplingParams, validate_prompt
+
+logger = logging.getLogger("backend_lib")
+
+Callback = Callable[[RequestOutput], None]
+
+
+class RequestStream:
+    """Blocking iterator over one request's outputs; ends after the finished one."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._q: "queue.Queue[RequestOutput]" = queue.Queue()
+
+    def _put(self, out: RequestOutput) -> None:
+        self._q.put(out)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._q.get()
+            yield out
+            if out.finished:
+                return
+
+    def result(self) -> tuple[list[int], Optional[FinishReason]]:
+        tokens: list[int] = []
+        reason = None
+        for out in self:
+            tokens.extend(out.new_token_ids)
+            reason = out.finish_reason
+        return tokens, reason
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0):
+        self.config = config
+        self.error: Optional[BaseException] = None
+        self._cmds: "queue.Queue[object]" = queue.Queue()
+        self._outs: "queue.Queue[object]" = queue.Queue()
+        self._sinks: dict[str, tuple[RequestStream, Optional[Callback]]] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._ready = threading.Event()
+        self.engine: Optional[LLMEngine] = None
+        self._thread = threading.Thread(target=self._engine_main, name="engine-loop", daemon=True)
+        self._dispatcher = threading.Thread(target=self._dispatch_main, name="engine-dispatch", daemon=True)
+        self._dispatcher.start()
+        self._thread.start()
+        # Start-up handshake: the engine is built on its own thread; its errors surface here.
+        if not self._ready.wait(startup_timeout):
+            raise TimeoutError(f"engine did not start within {startup_timeout} s")
+        if self.error is not None:
+            self._outs.put(_STOP)
+            raise self.error
+        eng = self.engine
+        self.vocab_size, self.max_model_len, self.eos_token_ids = eng.vocab_size, eng.max_model_len, eng.eos_token_ids
+
+    # ---- caller side ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    callback: Optional[Callback] = None) -> RequestStream:
+        if not self.is_healthy():
+            raise RuntimeError(f"engine is not healthy: {self.error!r}")
+        ids = validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        params.validate(self.max_model_len, self.vocab_size, self.config.max_stop_token_ids)
+        stream = RequestStream(request_id)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            if request_id in self._sinks:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._sinks[request_id] = (stream, callback)
+        self._cmds.put(_Add(request_id, ids, params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(_Abort(request_id))
+
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats() if self.engine is not None else EngineStats()
+
+    def num_inflight(self) -> int:
+        with self._lock:
+            return len(self._sinks)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (each request still gets its final output), stop."""
+        with self._lock:
+            self._stopping = True
+        self._cmds.put(_STOP)
+        self._thread.join(timeout)
+        self._outs.put(_STOP)
+        self._dispatcher.join(timeout)
+        self._fail_all(FinishReason.ABORT, None)  # anything the engine never saw
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _engine_main(self) -> None:
+        try:
+            self.engine = LLMEngine(self.config)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the constructor
+            self.error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        eng = self.engine
+        try:
+            while True:
+                stop = self._drain_commands(block=not eng.has_unfinished())
+                if stop:
+                    for rid in list(eng.scheduler.requests):
+                        eng.abort(rid)
+                    while eng.has_unfinished() or eng.scheduler._pending_finished:
+                        self._emit(eng.step())
+                    return
+                self._emit(eng.step())
+        except BaseException as e:  # noqa: BLE001 - engine death: fail every request, go unhealthy
+            logger.exception("engine thread died")
+            self.error = e
+            self._fail_all(FinishReason.ERROR, f"engine failed: {e!r}")
+
+    def _drain_commands(self, block: bool) -> bool:
+        eng = self.engine
+        cmd = self._cmds.get() if block else self._next_cmd()
+        while cmd is not None:
+            if cmd is _STOP:
+                return True
+            if isinstance(cmd, _Add):
+                try:
+                    eng.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                except ValueError as e:
+                    self._emit([RequestOutput(cmd.request_id, [], True, FinishReason.ERROR, error=str(e))])
+            elif isinstance(cmd, _Abort):
+                eng.abort(cmd.request_id)
+            cmd = self._next_cmd()
+        return False
+
+    def _next_cmd(self):
+        try:
+            return self._cmds.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _emit(self, outs: list[RequestOutput]) -> None:
+        if outs:
+            self._outs.put(outs)
+
+    # ---- dispatcher thread ------------------------------------------------------------------
+    def _dispatch_main(self) -> None:
+        while True:
+            item = self._outs.get()
+            if item is _STOP:
+                return
+            for out in item:
+                self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+        if sink is None:
+            return
+        stream, callback = sink
+        if callback is None:
+            stream._put(out)
+            return
+        try:
+            callback(out)
+        except Exception:  # a broken sink must not stop other requests' delivery
+            logger.exception("output callback failed for request %s", out.request_id)
+
+    def _fail_all(self, reason: FinishReason, error: Optional[str]) -> None:
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        for rid, (stream, callback) in sinks.items():
+            out = RequestOutput(rid, [], True, reason, error=error)
+            if callback is None:
+                stream._put(out)
+            else:
+                try:
+                    callback(out)
+                except Exception:
+                    logger.exception("output callback failed for request %s", rid)

@@ -1,0 +1,167 @@
+"""EngineConfig: every engine knob, one place that validates and resolves "auto".
+
+Field names are the config.pbtxt `parameters` keys of the Triton `llm` model, so the
+Triton glue maps parameters onto this dataclass one-to-one (see `EngineConfig.from_parameters`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from . import envs
+
+logger = logging.getLogger(__name__)
+
+_DEVICES = ("cpu", "cuda")
+_DTYPES = ("float32", "float16", "bfloat16")
+_TRISTATE = ("auto", "on", "off")
+
+
+@dataclass
+class EngineConfig:
+    model_path: str = "models/tiny-llama"
+    device: str = "cpu"                     # cpu | cuda
+    dtype: str = "float32"                  # float32 | float16 | bfloat16
+    max_num_seqs: int = 64                  # concurrent requests in the running batch
+    max_num_batched_tokens: int = 2048      # token budget of one step (prefill chunks + decodes)
+    max_model_len: int = 0                  # 0: the checkpoint's max_position_embeddings
+    block_size: int = 16                    # tokens per KV block
+    num_kv_blocks: int = 0                  # 0: derived (gpu_memory_utilization on CUDA, a fixed size on CPU)
+    gpu_memory_utilization: float = 0.85    # fraction of device memory the engine may take (CUDA only)
+    enable_chunked_prefill: bool = True
+    async_token_handoff: str = "auto"       # auto | on | off
+    enable_cuda_graph: bool = True
+    cuda_graph_max_batch: int = 256         # largest captured decode bucket
+    pipeline_parallel_size: int = 1
+    max_stop_token_ids: int = 16            # per-request device-side stop-id table width
+    seed: int = 0                           # engine seed for requests that give none
+
+    # ---- validation -------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        def fail(name: str, msg: str) -> None:
+            raise ValueError(f"EngineConfig.{name}: {msg} (got {getattr(self, name)!r})")
+
+        if not isinstance(self.model_path, str) or not self.model_path:
+            fail("model_path", "must be a non-empty path to a local checkpoint folder")
+        if self.device not in _DEVICES:
+            fail("device", f"must be one of {_DEVICES}")
+        if self.dtype not in _DTYPES:
+            fail("dtype", f"must be one of {_DTYPES}")
+        if self.async_token_handoff not in _TRISTATE:
+            fail("async_token_handoff", f"must be one of {_TRISTATE}")
+        for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("block_size", 1),
+                         ("pipeline_parallel_size", 1), ("max_model_len", 0), ("num_kv_blocks", 0),
+                         ("cuda_graph_max_batch", 1), ("max_stop_token_ids", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                fail(name, f"must be an integer >= {lo}")
+        if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
+            fail("gpu_memory_utilization", "must be in (0, 1]")
+        for name in ("enable_chunked_prefill", "enable_cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be a boolean")
+        if self.num_kv_blocks and self.num_kv_blocks < 2:
+            fail("num_kv_blocks", "must be 0 (auto) or >= 2")
+
+    # ---- Triton parameters ------------------------------------------------------------
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":
+        """Build from config.pbtxt `parameters` (string values). Unknown keys are errors
+        (a typo must not silently leave a knob at its default)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, raw in params.items():
+            if isinstance(raw, Mapping):  # Triton's model_config gives {"string_value": ...}
+                raw = raw.get("string_value", "")
+            if key not in fields:
+                continue  # parameters that belong to the Triton glue, not the engine
+            kwargs[key] = _coerce(key, fields[key].type, raw)
+        return cls(**kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def engine_parameter_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+def _coerce(name: str, type_name: Any, raw: Any) -> Any:
+    text = str(raw).strip()
+    t = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", str(type_name))
+    try:
+        if t == "bool":
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if t == "int":
+            return int(text)
+        if t == "float":
+            return float(text)
+    except ValueError:
+        raise ValueError(f"parameter {name!r}: cannot parse {text!r} as {t}") from None
+    return text
+
+
+@dataclass(frozen=True)
+class AsyncDecision:
+    """The capability gate's answer: whether the overlapped path runs, and why not."""
+    enabled: bool
+    emulated: bool            # CPU stand-ins for streams/events/pinned buffers
+    reasons: tuple[str, ...]  # unmet requirements (empty when enabled on CUDA)
+
+
+# Features that need host tokens between steps. None of them exists in this engine yet;
+# each entry is (requirement text, predicate on the config) so adding one is one line.
+_HOST_TOKEN_FEATURES: list[tuple[str, Any]] = [
+    ("no speculative draft model (not implemented in this engine)", lambda c: False),
+    ("no KV-transfer connector (not implemented in this engine)", lambda c: False),
+    ("no multimodal inputs (not implemented in this engine)", lambda c: False),
+]
+
+
+def resolve_async_handoff(cfg: EngineConfig) -> AsyncDecision:
+    """The one place that resolves async_token_handoff=auto|on|off.
+
+    auto: on only when every requirement holds (CUDA, CUDA graphs, paged KV, no feature that
+          needs host tokens between steps); otherwise off, with the reasons logged.
+    on:   CUDA must meet every requirement or the engine refuses to load, listing them all.
+          On CPU, "on" runs the same overlapped scheduling with CPU stand-ins (emulated).
+    off:  synchronous. The kill switch env var forces off everywhere.
+    """
+    if envs.force_sync():
+        return AsyncDecision(False, False, (f"{envs.FORCE_SYNC_ENV}=1 (kill switch)",))
+    mode = cfg.async_token_handoff
+    if mode == "off":
+        return AsyncDecision(False, False, ("async_token_handoff=off",))
+    reasons: list[str] = []
+    if cfg.device != "cuda":
+        reasons.append("CUDA device (device=cpu)")
+    if cfg.device == "cuda" and not cfg.enable_cuda_graph:
+        reasons.append("CUDA graphs on (enable_cuda_graph=false)")
+    for text, needs_host in _HOST_TOKEN_FEATURES:
+        if needs_host(cfg):
+            reasons.append(text)
+    if mode == "on":
+        if cfg.device == "cpu":
+            other = [r for r in reasons if not r.startswith("CUDA device")]
+            if other:
+                raise ValueError("EngineConfig.async_token_handoff=on: unmet requirements: " + "; ".join(other))
+            return AsyncDecision(True, True, ())
+        if reasons:
+            raise ValueError("EngineConfig.async_token_handoff=on: unmet requirements: " + "; ".join(reasons))
+        return AsyncDecision(True, False, ())
+    # auto
+    if reasons:
+        logger.info("async token handoff off; unmet requirements: %s", "; ".join(reasons))
+        return AsyncDecision(False, False, tuple(reasons))
+    return AsyncDecision(True, False, ())
+
+
+__all__ = ["EngineConfig", "AsyncDecision", "resolve_async_handoff", "engine_parameter_names"]

@@ -1,0 +1,192 @@
+"""LLMEngine (the step loop) and AsyncEngine (the loop on a background thread, streaming
+each request's tokens and aborting by id).
+
+The overlapped step (async token handoff) launches step n+1 before the host waits for step
+n's tokens; step n+1's input ids come from the relay buffer on the device:
+
+    schedule(n+1) -> launch(n+1) -> wait(n) -> update(n)
+
+The synchronous step is the same loop with zero steps in flight.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from . import envs
+from .config import EngineConfig, resolve_async_handoff
+from .handoff import StepHandle
+from .kv_cache import BlockPool
+from .model_runner import ModelRunner
+from .models.loader import load_hf_config
+from .request import CompletionOutput, Request, RequestOutput, SamplingParams, validate_prompt
+from .scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger("backend_lib")
+logger.setLevel(envs.log_level())
+
+_CPU_DEFAULT_KV_BLOCKS = 2048
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    async_steps_total: int = 0
+    sync_steps_total: int = 0
+    num_preemptions: int = 0
+    gpu_idle_gap_us: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = cfg = config
+        self.decision = resolve_async_handoff(cfg)
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("EngineConfig.device: 'cuda' requested but CUDA is not available")
+        hf = load_hf_config(cfg.model_path)
+        self.max_model_len = cfg.max_model_len or hf.max_position_embeddings
+        if self.max_model_len > hf.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_model_len: {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={hf.max_position_embeddings}")
+        self.eos_token_ids = _eos_ids(cfg.model_path, hf)
+        num_blocks = self._num_kv_blocks(hf)
+        min_blocks = (self.max_model_len + cfg.block_size - 1) // cfg.block_size + 1
+        if num_blocks < min_blocks:
+            raise ValueError(f"EngineConfig.num_kv_blocks: {num_blocks} blocks cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len} (need >= {min_blocks})")
+        self.runner = ModelRunner(cfg, hf, self.decision, num_blocks, self.max_model_len)
+        self.vocab_size = self.runner.vocab_size
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
+                                   cfg.enable_chunked_prefill, BlockPool(num_blocks, cfg.block_size))
+        self.async_enabled = self.decision.enabled
+        self._inflight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
+        self._max_inflight = 1 if self.async_enabled else 0
+        self._seed_rng = random.Random(cfg.seed)
+        self._async_steps = 0
+        self._sync_steps = 0
+        logger.info("engine ready: async_token_handoff=%s (%s)", self.async_enabled,
+                    "; ".join(self.decision.reasons) or "all requirements met")
+
+    def _num_kv_blocks(self, hf) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        per_seq = (self.max_model_len + cfg.block_size - 1) // cfg.block_size
+        if cfg.device == "cpu":
+            return max(per_seq + 1, min(_CPU_DEFAULT_KV_BLOCKS, per_seq * cfg.max_num_seqs + 1))
+        return _cuda_kv_blocks(cfg, hf)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        ids = validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        params.validate(self.max_model_len, self.vocab_size, self.config.max_stop_token_ids)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, effective_seed=seed)
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._inflight)
+
+    # ---- the step loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            self._inflight.append((sched, self.runner.execute(sched, self.eos_token_ids)))
+            if self.async_enabled:
+                self._async_steps += 1
+            else:
+                self._sync_steps += 1
+        elif not self._inflight:
+            self.runner.handoff.reset_gap_chain()
+        outputs = self.scheduler.take_finished()
+        # Keep at most _max_inflight steps launched but unread; if nothing new was scheduled,
+        # drain one so the loop always makes progress.
+        while self._inflight and (len(self._inflight) > self._max_inflight or sched.is_empty):
+            done_sched, handle = self._inflight.popleft()
+            tokens = handle.get()
+            self.runner.handoff.collect_gap(handle)
+            outputs.extend(self.scheduler.update(done_sched, tokens))
+            if sched.is_empty:
+                break
+        return outputs
+
+    def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[CompletionOutput]:
+        prompts = [list(p) for p in prompts]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        base = f"gen-{os.getpid()}-{id(prompts)}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, plist):
+            self.add_request(rid, p, sp)
+        results = {rid: CompletionOutput(rid, p, [], None) for rid, p in zip(ids, prompts)}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in results:
+                    res = results[out.request_id]
+                    res.token_ids.extend(out.new_token_ids)
+                    if out.finished:
+                        res.finish_reason = str(out.finish_reason)
+        return [results[r] for r in ids]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_blocks_used=s.blocks.num_used, kv_blocks_total=s.blocks.num_usable,
+            prompt_tokens_total=s.stats.prompt_tokens_total,
+            generation_tokens_total=s.stats.generation_tokens_total,
+            async_steps_total=self._async_steps, sync_steps_total=self._sync_steps,
+            num_preemptions=s.stats.num_preemptions,
+            gpu_idle_gap_us=self.runner.handoff.take_gaps_us())
+
+
+def _eos_ids(path: str, hf) -> tuple[int, ...]:
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+        gen = GenerationConfig.from_pretrained(path)
+        eos = gen.eos_token_id
+    except (OSError, ValueError):
+        eos = getattr(hf, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(hf, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids = [eos]
+    elif eos:
+        ids = list(eos)
+    return tuple(ids)
+
+
+def _cuda_kv_blocks(cfg: EngineConfig, hf) -> int:
+    """Blocks that fit in gpu_memory_utilization of the device after the weights (the runner
+    loads weights before allocating KV; here we estimate weights from the config)."""
+    from .models.llama import ModelShape
+    s = ModelShape.from_hf_config(hf)
+    elem = 4 if cfg.dtype == "float32" else 2
+    per_block = s.num_layers * 2 * cfg.block_size * s.num_kv_heads * s.head_dim * elem
+    free, total = torch.cuda.mem_get_info()
+    weights = _param_count(s) * elem
+    activations = 4 * 2**30  # logits of the largest batch, prefill activations, graph pool
+    budget = total * cfg.gpu_memory_utilization - (total - free) - weights - activations
+    return max(int(budget // per_block), 2)
+
+
+def _param_count(s) -> int:
+    attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * s.hidden_size
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    emb = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+    return s.num_layers * (attn + mlp) + emb

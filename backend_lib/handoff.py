@@ -1,0 +1,109 @@
+"""The token handoff: step n's sampled tokens go device -> pinned host memory asynchronously,
+with one event per step; the host waits on that event only (GIL released) when it needs the
+tokens. Everything here that touches CUDA has a CPU stand-in behind the same interface, so
+the overlapped scheduling runs (and is tested) on CPU.
+
+The relay buffer that feeds step n+1's input ids on the device is owned by the model runner
+(it is part of the step's device program); this module owns what crosses to the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+class _DoneEvent:
+    """CPU stand-in for torch.cuda.Event: CPU work is complete when it is enqueued."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class StepHandle:
+    """AsyncStepOutput of one launched step. `get()` is the only host wait."""
+    host_buf: torch.Tensor
+    num_rows: int
+    done: Any                          # torch.cuda.Event or _DoneEvent
+    start: Any = None                  # timing events (CUDA only) for the idle-gap metric
+    end: Any = None
+    keepalive: tuple = field(default_factory=tuple)  # tensors the step reads stay alive
+    _tokens: Optional[list[int]] = None
+
+    def ready(self) -> bool:
+        return self._tokens is not None or self.done.query()
+
+    def get(self) -> list[int]:
+        if self._tokens is None:
+            self.done.synchronize()  # torch releases the GIL while it waits
+            self._tokens = self.host_buf[:self.num_rows].tolist()
+            self.keepalive = ()
+        return self._tokens
+
+
+class TokenHandoff:
+    """A ring of host buffers (pinned on CUDA), one per step in flight. A buffer is reused
+    only after the handle that last used it has been consumed (its event completed)."""
+
+    def __init__(self, device: torch.device, width: int, depth: int = 4, time_steps: bool = True):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        pin = self.is_cuda
+        self._bufs = [torch.zeros(width, dtype=torch.int64, pin_memory=pin) for _ in range(depth)]
+        self._owners: list[Optional[StepHandle]] = [None] * depth
+        self._next = 0
+        self._time = time_steps and self.is_cuda
+        self._last_end: Any = None
+        self._gaps_us: list[float] = []
+
+    def _event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing) if self.is_cuda else _DoneEvent()
+
+    def begin_step(self) -> Any:
+        """Record the step's start on the stream (idle-gap metric)."""
+        if not self._time:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def publish(self, sampled: torch.Tensor, num_rows: int, start: Any = None,
+                keepalive: tuple = ()) -> StepHandle:
+        i = self._next
+        self._next = (i + 1) % len(self._bufs)
+        prev = self._owners[i]
+        if prev is not None and prev._tokens is None:
+            # Ring deeper than the steps in flight makes this unreachable; wait, never clobber.
+            prev.get()
+        buf = self._bufs[i]
+        buf[:num_rows].copy_(sampled[:num_rows], non_blocking=self.is_cuda)
+        done = self._event(timing=self._time)
+        done.record()
+        handle = StepHandle(buf, num_rows, done, start, done if self._time else None, keepalive)
+        self._owners[i] = handle
+        return handle
+
+    def collect_gap(self, handle: StepHandle) -> None:
+        """After `handle.get()`: the GPU idle time between the previous step's end and this
+        step's start, from CUDA events (both have completed by now)."""
+        if not self._time or handle.start is None:
+            return
+        if self._last_end is not None:
+            self._gaps_us.append(max(0.0, self._last_end.elapsed_time(handle.start) * 1000.0))
+        self._last_end = handle.end
+
+    def reset_gap_chain(self) -> None:
+        """The GPU went idle on purpose (no work queued): don't count that as a gap."""
+        self._last_end = None
+
+    def take_gaps_us(self) -> list[float]:
+        gaps, self._gaps_us = self._gaps_us, []
+        return gaps

@@ -1,0 +1,70 @@
+"""Paged attention: the KV write, a reference path that runs anywhere (CPU tests), and the
+dispatch to the Triton kernels on CUDA.
+
+KV cache layout per layer: k_cache, v_cache = [num_blocks, block_size, num_kv_heads, head_dim].
+The current step's K/V are written first (slot_mapping), so attention reads only the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor        # [T] int64: flat KV slot of each new token
+    block_tables: torch.Tensor        # [S, max_blocks] int32
+    seq_lens: torch.Tensor            # [S] int32: KV length of each sequence incl. new tokens
+    cu_seqlens_q: torch.Tensor        # [S+1] int32: offsets of each sequence's new tokens
+    max_q_len: int                    # host int (grid size of the varlen kernel)
+    is_decode: bool                   # every sequence has exactly one new token
+    # Host copies for the reference path (CPU only; None on the CUDA fast path).
+    seq_lens_host: Optional[list[int]] = None
+    q_lens_host: Optional[list[int]] = None
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Scatter this step's K/V into their paged slots. Padding rows of a CUDA-graph bucket
+    write into block 0, which the block pool reserves and never hands out."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    if q.is_cuda:
+        from . import triton_attention as ta
+        if meta.is_decode:
+            return ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return ta.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                          meta.block_tables, scale, meta.max_q_len)
+    return reference_paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def reference_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """One sequence at a time: gather its KV through the block table, causal SDPA with the
+    queries placed at the end of the sequence. Exact, simple, slow: the CPU path."""
+    bs = k_cache.shape[1]
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    start = 0
+    for i, (kv_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.q_lens_host)):
+        nblk = (kv_len + bs - 1) // bs
+        blocks = meta.block_tables[i, :nblk].long()
+        k = k_cache[blocks].reshape(-1, hkv, k_cache.shape[3])[:kv_len]
+        v = v_cache[blocks].reshape(-1, hkv, v_cache.shape[3])[:kv_len]
+        if hq != hkv:
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
+        qi = q[start:start + q_len]
+        # Query j sits at absolute position kv_len - q_len + j and sees keys <= it.
+        qpos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
+        mask = torch.arange(kv_len).unsqueeze(0) <= qpos
+        o = F.scaled_dot_product_attention(qi.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                           v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale)
+        out[start:start + q_len] = o.squeeze(0).transpose(0, 1)
+        start += q_len
+    return out

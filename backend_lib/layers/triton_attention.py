@@ -1,0 +1,538 @@
+"""Paged attention kernels in Triton (CUDA).
+
+KV cache layout (per layer)::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]   (contiguous)
+
+The KV of the current step's tokens is already in the cache when attention runs, so
+both kernels read K/V from the cache only.
+
+Public API
+----------
+``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None)``
+    One query token per sequence (q: [B, Hq, D]).  Flash-decoding: the KV tiles of a
+    sequence are dealt round-robin to ``num_splits`` programs per (sequence, kv head); a
+    small second kernel merges their partial softmax states.  All q heads of a GQA group
+    are processed by one program, so each KV tile is read once per kv head.  The split
+    count depends only on shapes (B, Hkv, max_blocks), never on ``seq_lens`` values, so
+    the call is CUDA-graph capturable.  Rows with ``seq_len == 0`` produce zeros.
+
+``paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+scale, max_q_len, out=None)``
+    Varlen mixed batch (chunked prefill and decode rows together), causal.  The new
+    tokens of sequence ``s`` sit at absolute positions
+    ``seq_lens[s] - q_len_s .. seq_lens[s] - 1``.  Rows of a tile are (token, q head of
+    the group) pairs, so decode rows (q_len 1) also read each KV tile once per kv head.
+
+``reference_paged_attention(...)``
+    Slow float32 torch reference (loops) for tests.
+
+All kernels accumulate in float32.  ``q``/``out`` may be strided views (last dim must be
+contiguous).  Triton is imported lazily-safe: the module imports without Triton (the
+reference still works), the kernels then raise at call time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+try:  # Triton is optional at import time (CPU-only CI machines).
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "reference_paged_attention",
+    "HAS_TRITON",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        Q, K, V, BT, SL, O, PART_ACC, PART_M, PART_L,
+        scale_log2e,
+        stride_qb, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh,
+        stride_btb,
+        stride_ob, stride_oh,
+        G: tl.constexpr,            # q heads per kv head
+        GP: tl.constexpr,           # G padded (power of 2, >= 16 for tl.dot)
+        D: tl.constexpr,
+        DP: tl.constexpr,           # D padded to power of 2
+        PAGE: tl.constexpr,         # cache block size (tokens)
+        BLOCK_N: tl.constexpr,      # tokens per KV tile
+        NUM_SPLITS: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+
+        seq_len = tl.load(SL + b)
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, DP)
+        offs_n = tl.arange(0, BLOCK_N)
+        g_mask = offs_g < G
+        d_mask = offs_d < D
+        heads = kvh * G + offs_g
+
+        if NUM_SPLITS > 1:
+            if sp >= n_tiles:
+                # No tile for this split: the reduce kernel ignores it (never reads it).
+                return
+
+        q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = q.to(K.dtype.element_ty)
+
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+
+        bt_row = BT + b.to(tl.int64) * stride_btb
+        k_base = K + kvh.to(tl.int64) * stride_kh
+        v_base = V + kvh.to(tl.int64) * stride_vh
+
+        # Tiles sp, sp + NUM_SPLITS, ... (round-robin: balanced for any seq_len).
+        for tile in range(sp, n_tiles, NUM_SPLITS):
+            tok = tile * BLOCK_N + offs_n
+            n_mask = tok < seq_len
+            page = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
+            slot = (tok % PAGE).to(tl.int64)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_base + page[:, None] * stride_kb + slot[:, None] * stride_kt
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+            qk = tl.where(n_mask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + page[:, None] * stride_vb + slot[:, None] * stride_vt
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+        out_mask = g_mask[:, None] & d_mask[None, :]
+        if NUM_SPLITS == 1:
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+            o = acc / l_safe[:, None]
+            o_ptrs = O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
+        else:
+            # partials: [B, Hq, NUM_SPLITS, DP] and [B, Hq, NUM_SPLITS]
+            row = (b.to(tl.int64) * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + sp
+            tl.store(PART_ACC + row[:, None] * DP + offs_d[None, :], acc, mask=out_mask)
+            tl.store(PART_M + row, m_i, mask=g_mask)
+            tl.store(PART_L + row, l_i, mask=g_mask)
+
+    @triton.jit
+    def _paged_decode_reduce_kernel(
+        PART_ACC, PART_M, PART_L, SL, O,
+        stride_ob, stride_oh,
+        HQ,
+        D: tl.constexpr,
+        DP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SP: tl.constexpr,           # NUM_SPLITS padded to power of 2
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        seq_len = tl.load(SL + b)
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+
+        offs_s = tl.arange(0, SP)
+        offs_d = tl.arange(0, DP)
+        s_mask = (offs_s < NUM_SPLITS) & (offs_s < n_tiles)   # only splits that ran
+        d_mask = offs_d < D
+        row = (b.to(tl.int64) * HQ + h) * NUM_SPLITS + offs_s
+
+        m = tl.load(PART_M + row, mask=s_mask, other=float("-inf"))
+        l = tl.load(PART_L + row, mask=s_mask, other=0.0)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.where(s_mask, tl.exp2(m - m_max), 0.0)
+        l_tot = tl.sum(l * w, 0)
+        acc = tl.load(PART_ACC + row[:, None] * DP + offs_d[None, :],
+                      mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        o = tl.sum(acc * w[:, None], 0)
+        l_safe = tl.where(l_tot > 0.0, l_tot, 1.0)
+        o = o / l_safe
+        o_ptrs = O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=d_mask)
+
+    @triton.jit
+    def _prefill_tile(
+        q, q_pos, m_i, l_i, acc,
+        bt_row, k_base, v_base,
+        n0, kv_end, scale_log2e,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        offs_n, offs_d, d_mask,
+        PAGE: tl.constexpr,
+        MASKED: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        kpos = n0 + offs_n
+        if MASKED:
+            n_mask = kpos < kv_end
+            page = tl.load(bt_row + kpos // PAGE, mask=n_mask, other=0).to(tl.int64)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        else:
+            page = tl.load(bt_row + kpos // PAGE).to(tl.int64)
+            kv_mask = d_mask[None, :]
+        slot = (kpos % PAGE).to(tl.int64)
+        k = tl.load(k_base + page[:, None] * stride_kb + slot[:, None] * stride_kt
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        if MASKED:
+            vis = (kpos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            qk = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + page[:, None] * stride_vb + slot[:, None] * stride_vt
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _paged_prefill_kernel(
+        Q, K, V, O, CU, SL, BT,
+        scale_log2e,
+        stride_qt, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh,
+        stride_bts,
+        stride_ot, stride_oh,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        DP: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr,      # rows = (token, head-in-group) pairs
+        BLOCK_N: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        mt = tl.program_id(0)
+        s = tl.program_id(1)
+        kvh = tl.program_id(2)
+
+        q_start = tl.load(CU + s)
+        q_len = tl.load(CU + s + 1) - q_start
+        rows_total = q_len * G
+        row0 = mt * BLOCK_M
+        if row0 >= rows_total:
+            return
+        seq_len = tl.load(SL + s)
+        ctx = seq_len - q_len
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, DP)
+        d_mask = offs_d < D
+
+        rows = row0 + offs_m
+        r_mask = rows < rows_total
+        tok = rows // G
+        heads = kvh * G + rows % G
+        q_pos = ctx + tok       # padding rows: q_pos >= seq_len (harmless, not stored)
+
+        q_ptrs = (Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt
+                  + heads[:, None] * stride_qh + offs_d[None, :])
+        q = tl.load(q_ptrs, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+        q = q.to(K.dtype.element_ty)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DP], tl.float32)
+
+        bt_row = BT + s.to(tl.int64) * stride_bts
+        k_base = K + kvh.to(tl.int64) * stride_kh
+        v_base = V + kvh.to(tl.int64) * stride_vh
+
+        first_tok = row0 // G
+        last_tok = tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)
+        kv_end = ctx + last_tok + 1                 # exclusive, <= seq_len
+        full_end = ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N   # visible to all rows
+
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, q_pos, m_i, l_i, acc, bt_row, k_base, v_base, n0, kv_end, scale_log2e,
+                stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_mask,
+                PAGE, False, DOT_PREC)
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, q_pos, m_i, l_i, acc, bt_row, k_base, v_base, n0, kv_end, scale_log2e,
+                stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_mask,
+                PAGE, True, DOT_PREC)
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        o_ptrs = (O + (q_start + tok).to(tl.int64)[:, None] * stride_ot
+                  + heads[:, None] * stride_oh + offs_d[None, :])
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------
+# Host wrappers
+# ----------------------------------------------------------------------------------
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_cuda(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":     # TRITON_INTERPRET=1 on CPU tensors
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms_cuda(idx)
+
+
+def _check_common(q, k_cache, v_cache):
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed; paged attention kernels unavailable")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_dim]")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("last dim of q / caches must be contiguous")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must have the same dtype")
+    _, page, hkv, d = k_cache.shape
+    hq = q.shape[-2]
+    if q.shape[-1] != d:
+        raise ValueError(f"head_dim mismatch: q {q.shape[-1]} vs cache {d}")
+    if hq % hkv != 0:
+        raise ValueError(f"num_q_heads {hq} not a multiple of num_kv_heads {hkv}")
+    if page & (page - 1) != 0:
+        raise ValueError(f"block_size {page} must be a power of 2")
+    return page, hkv, d, hq, hq // hkv
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                      block_n: int = 64, num_sms: int = 132) -> int:
+    """Static split count for the decode kernel (depends only on shapes)."""
+    programs = batch * num_kv_heads
+    target = 4 * num_sms
+    if programs >= target:
+        return 1
+    max_tiles = max(1, -(-max_blocks * block_size // block_n))
+    return max(1, min(-(-target // programs), max_tiles, 64))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+    *,
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: int = 4,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Single-token-per-sequence paged attention.
+
+    q: [B, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D];
+    block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (KV tokens incl. the
+    current one; 0 = padding row -> zeros).  Returns out [B, Hq, D] (dtype of q).
+
+    ``num_splits``/``block_n``/``num_warps``/``num_stages`` are tuning overrides; the
+    defaults depend only on shapes, so the call is CUDA-graph capturable.
+    """
+    page, hkv, d, hq, g = _check_common(q, k_cache, v_cache)
+    bsz = q.shape[0]
+    assert q.dim() == 3 and block_tables.dim() == 2 and block_tables.shape[0] == bsz
+    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if bsz == 0:
+        return out
+
+    dp = _next_pow2(d)
+    if block_n is None:
+        block_n = 32 if k_cache.element_size() >= 4 else 64
+    if num_stages is None:
+        num_stages = 2 if k_cache.element_size() >= 4 else 3
+    max_blocks = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = decode_num_splits(bsz, hkv, max_blocks, page, block_n, _num_sms(q.device))
+    num_splits = max(1, int(num_splits))
+    gp = max(16, _next_pow2(g))
+
+    if num_splits > 1:
+        part_acc = torch.empty((bsz, hq, num_splits, dp), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_m = part_l = out  # unused
+
+    _paged_decode_kernel[(bsz, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=g, GP=gp, D=d, DP=dp, PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PREC=_dot_prec(k_cache.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _paged_decode_reduce_kernel[(bsz, hq)](
+            part_acc, part_m, part_l, seq_lens, out,
+            out.stride(0), out.stride(1),
+            hq,
+            D=d, DP=dp, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            SP=_next_pow2(num_splits),
+            num_warps=4 if dp * _next_pow2(num_splits) >= 4096 else 2,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_q_len: int,
+    out: Optional[torch.Tensor] = None,
+    *,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Varlen causal paged attention for a mixed batch (chunked prefill + decode rows).
+
+    q: [T, Hq, D] (new tokens of all sequences, concatenated); cu_seqlens_q: [S+1] int32;
+    seq_lens: [S] int32 total KV length incl. new tokens; block_tables: [S, max_blocks]
+    int32; max_q_len: host int >= every q_len.  Query i of sequence s is at absolute
+    position seq_lens[s] - q_len_s + i and attends to KV positions <= that.
+    """
+    page, hkv, d, hq, g = _check_common(q, k_cache, v_cache)
+    assert q.dim() == 3
+    num_seqs = seq_lens.shape[0]
+    assert cu_seqlens_q.shape[0] == num_seqs + 1 and cu_seqlens_q.is_contiguous()
+    assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_seqs == 0 or q.shape[0] == 0 or max_q_len <= 0:
+        return out
+
+    dp = _next_pow2(d)
+    big = k_cache.element_size() >= 4
+    rows = int(max_q_len) * g
+    if block_m is None:
+        block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+        if rows >= 2048 and not big:
+            block_m = 128
+    if block_n is None:
+        block_n = 32 if big else 64
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
+    if num_stages is None:
+        num_stages = 2 if (big or block_m >= 128) else 3
+
+    grid = (triton.cdiv(rows, block_m), num_seqs, hkv)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=g, D=d, DP=dp, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PREC=_dot_prec(k_cache.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Float32 torch reference (slow, loops over sequences).
+
+    Decode form (cu_seqlens_q None): q [B, Hq, D], one query per sequence at the last
+    position.  Varlen form: q [T, Hq, D] with cu_seqlens_q [S+1]; causal.
+    Returns float32 [*, Hq, D]; sequences with seq_len 0 give zeros.
+    """
+    page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    hq = q.shape[1]
+    g = hq // hkv
+    seq_lens_l = [int(x) for x in seq_lens.tolist()]
+    if cu_seqlens_q is None:
+        cu = list(range(len(seq_lens_l) + 1))
+    else:
+        cu = [int(x) for x in cu_seqlens_q.tolist()]
+    bt = block_tables.long()
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for s, seq_len in enumerate(seq_lens_l):
+        q0, q1 = cu[s], cu[s + 1]
+        q_len = q1 - q0
+        if q_len == 0 or seq_len == 0:
+            continue
+        n_pages = -(-seq_len // page)
+        pages = bt[s, :n_pages]
+        k = k_cache[pages].reshape(-1, hkv, d)[:seq_len].float()   # [L, Hkv, D]
+        v = v_cache[pages].reshape(-1, hkv, d)[:seq_len].float()
+        k = k.repeat_interleave(g, dim=1).transpose(0, 1)          # [Hq, L, D]
+        v = v.repeat_interleave(g, dim=1).transpose(0, 1)
+        qs = q[q0:q1].float().transpose(0, 1)                       # [Hq, q_len, D]
+        scores = torch.matmul(qs, k.transpose(1, 2)) * scale       # [Hq, q_len, L]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        kv_pos = torch.arange(seq_len, device=q.device)
+        mask = kv_pos[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.matmul(p, v).transpose(0, 1)
+    return out

@@ -1,0 +1,245 @@
+"""Model runner: persistent device tables, per-step input preparation, CUDA-graph decode
+buckets, forward + on-device sampling, and the relay buffer that feeds step n+1's input ids.
+
+Persistent per-slot device state (rows indexed by the request's slot, updated only when a
+request is admitted or its KV grows): block table, relay token, sampling parameters. Each
+step uploads one small packed int64 tensor (row slots, positions, host-known ids) from
+pinned memory; nothing is ever read back except through the TokenHandoff.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import AsyncDecision, EngineConfig
+from .handoff import StepHandle, TokenHandoff
+from .layers.attention import AttentionMetadata
+from .layers.sampler import SamplingTensors, sample
+from .models.loader import build_model
+from .scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+# Rows of the packed per-step decode metadata ([5, B] int64).
+_ID, _RELAY, _POS, _SLOT, _SAMPLES = range(5)
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    meta: torch.Tensor      # static input [5, B]
+    out: torch.Tensor       # static output [B] sampled ids
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, hf_config, decision: AsyncDecision, num_kv_blocks: int,
+                 max_model_len: int):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = _DTYPES[cfg.dtype]
+        self.model = build_model(hf_config, cfg.model_path, self.device, self.dtype)
+        s = self.shape = self.model.shape
+        self.vocab_size = s.vocab_size
+        self.block_size = cfg.block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_blocks_per_seq = (max_model_len + cfg.block_size - 1) // cfg.block_size
+        n, k = cfg.max_num_seqs, cfg.max_stop_token_ids
+        dev = self.device
+
+        kv = torch.zeros(len(self.model.layers), 2, num_kv_blocks, cfg.block_size, s.num_kv_heads,
+                         s.head_dim, dtype=self.dtype, device=dev)
+        self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+        # Persistent per-slot tables. Index n (one past the last slot) is a scratch row that
+        # padding and non-sampling rows write into, so no real row is ever written twice.
+        self.block_table = torch.zeros(n + 1, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.relay = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        self.temperature = torch.ones(n + 1, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        self.top_p = torch.ones(n + 1, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        self.prompt_len = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        self.min_tokens = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        self.banned = torch.full((n + 1, k), -1, dtype=torch.int64, device=dev)
+        self.min_stop = torch.full((n + 1, k + 8), -1, dtype=torch.int64, device=dev)
+        # Host mirrors of per-slot flags that pick the cheaper sampling program.
+        self._slot_greedy = [True] * (n + 1)
+        self._slot_masks = [False] * (n + 1)
+        self.scratch_slot = n
+        self.pin = self.device.type == "cuda"
+
+        self.handoff = TokenHandoff(dev, width=max(n, 1), depth=4)
+        self.decision = decision
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.graph_buckets: tuple[int, ...] = ()
+        if self.device.type == "cuda" and cfg.enable_cuda_graph:
+            limit = min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)
+            self.graph_buckets = tuple(b for b in GRAPH_BUCKETS if b <= limit)
+            if limit not in self.graph_buckets and limit < GRAPH_BUCKETS[-1]:
+                self.graph_buckets += (min(b for b in GRAPH_BUCKETS if b >= limit),)
+            self._capture_graphs()
+
+    # ---- persistent table updates (admission, KV growth) --------------------------------
+    def _update_tables(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> None:
+        """Admissions write their slot's sampling state; KV growth writes block-table entries.
+        Each is one packed host tensor and one async H2D copy, then a scatter on device."""
+        if sched.new_slots:
+            k, w = self.banned.shape[1], self.min_stop.shape[1]
+            ints, floats = [], []
+            for req in sched.new_slots:
+                sp, slot = req.sampling, req.slot
+                stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
+                ints.append([slot, sp.top_k, req.effective_seed, req.num_prompt_tokens, sp.min_tokens]
+                            + (list(sp.bad_token_ids) + [-1] * k)[:k] + (stops + [-1] * w)[:w])
+                floats.append([float(sp.temperature), float(sp.top_p)])
+                self._slot_greedy[slot] = sp.temperature == 0.0
+                self._slot_masks[slot] = bool(sp.bad_token_ids) or sp.min_tokens > 0
+            it = self._to_device(ints)
+            ft = torch.tensor(floats, dtype=torch.float32, pin_memory=self.pin).to(self.device, non_blocking=True)
+            slots = it[:, 0]
+            self.top_k[slots] = it[:, 1]
+            self.seed[slots] = it[:, 2]
+            self.prompt_len[slots] = it[:, 3]
+            self.min_tokens[slots] = it[:, 4]
+            self.banned[slots] = it[:, 5:5 + k]
+            self.min_stop[slots] = it[:, 5 + k:]
+            self.temperature[slots] = ft[:, 0]
+            self.top_p[slots] = ft[:, 1]
+        if sched.grown:
+            rows, cols, vals = [], [], []
+            for req, first in sched.grown:
+                ids = req.block_ids[first:]
+                rows.extend([req.slot] * len(ids))
+                cols.extend(range(first, first + len(ids)))
+                vals.extend(ids)
+            t = self._to_device([rows, cols, vals])
+            self.block_table[t[0], t[1]] = t[2].to(torch.int32)
+
+    def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
+        """Host int64 rows -> device, asynchronously from pinned memory on CUDA (the caching
+        host allocator keeps the pinned block alive until the copy has run)."""
+        return torch.tensor(rows, dtype=torch.int64, pin_memory=self.pin).to(self.device, non_blocking=True)
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> StepHandle:
+        """Launch one step; returns at once (on CUDA) with the handle of its sampled tokens."""
+        self._update_tables(sched, eos_ids)
+        rows = sched.rows
+        slots = [r.request.slot for r in rows]
+        greedy = all(self._slot_greedy[s] for s in slots)
+        masks = any(self._slot_masks[s] for s in slots)
+        start = self.handoff.begin_step()
+        if sched.is_decode_only:
+            meta_host = [[r.host_token_ids[0] for r in rows],
+                         [r.request.slot if r.first_from_relay else -1 for r in rows],
+                         [r.start_pos for r in rows], slots, [1] * len(rows)]
+            bucket = self._bucket(len(rows))
+            if bucket is not None:
+                g = self.graphs[(bucket, greedy and not masks)]
+                pad = bucket - len(rows)
+                meta = self._to_device([row + [fill] * pad for row, fill in zip(meta_host, (0, -1, 0, -1, 0))])
+                g.meta.copy_(meta)
+                g.graph.replay()
+                return self.handoff.publish(g.out, len(rows), start, keepalive=(meta,))
+            meta = self._to_device(meta_host)
+            sampled = self._decode_program(meta, greedy, masks)
+            return self.handoff.publish(sampled, len(rows), start, keepalive=(meta,))
+        sampled, keep = self._mixed_step(sched, greedy, masks)
+        return self.handoff.publish(sampled, len(rows), start, keepalive=keep)
+
+    def _bucket(self, n: int) -> Optional[int]:
+        for b in self.graph_buckets:
+            if b >= n:
+                return b
+        return None
+
+    # ---- decode: one token per row, fixed shapes (the CUDA-graph program) ------------------
+    def _decode_program(self, meta: torch.Tensor, greedy: bool, masks: bool) -> torch.Tensor:
+        slot = meta[_SLOT]
+        valid = slot >= 0
+        slot_c = torch.where(valid, slot, self.scratch_slot)
+        pos = meta[_POS]
+        relay_src = meta[_RELAY]
+        ids = torch.where(relay_src >= 0, self.relay[relay_src.clamp(min=0)], meta[_ID])
+        tables = self.block_table[slot_c]
+        blk = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).long()
+        slot_mapping = torch.where(valid, blk * self.block_size + pos % self.block_size, 0)
+        seq_lens = torch.where(valid, pos + 1, 0).to(torch.int32)
+        attn = AttentionMetadata(slot_mapping, tables, seq_lens, None, 1, True)
+        if self.device.type == "cpu":
+            attn.seq_lens_host = seq_lens.tolist()
+            attn.q_lens_host = [1] * len(attn.seq_lens_host)
+        hidden = self.model(ids, pos, self.kv_caches, attn)
+        return self._sample_and_relay(hidden, slot_c, valid & (meta[_SAMPLES] > 0), pos + 1, greedy, masks)
+
+    def _sample_and_relay(self, hidden, slot_c, samples, next_pos, greedy, masks) -> torch.Tensor:
+        logits = self.model.compute_logits(hidden)
+        st = SamplingTensors(
+            temperature=self.temperature[slot_c], top_k=self.top_k[slot_c], top_p=self.top_p[slot_c],
+            seed=self.seed[slot_c], position=next_pos, banned_ids=self.banned[slot_c],
+            min_stop_ids=self.min_stop[slot_c],
+            min_tokens_left=self.min_tokens[slot_c] - (next_pos - self.prompt_len[slot_c]))
+        tokens = sample(logits, st, greedy, masks)
+        # Relay: step n+1 gathers its input ids here, on the device, by slot.
+        self.relay[torch.where(samples, slot_c, self.scratch_slot)] = tokens
+        return tokens
+
+    # ---- mixed / prefill steps (eager) ------------------------------------------------------
+    def _mixed_step(self, sched: SchedulerOutput, greedy: bool, masks: bool):
+        ids, relay_src, pos, tok_slot = [], [], [], []
+        row_slot, seq_lens, q_lens, last_idx, samples = [], [], [], [], []
+        t = 0
+        for r in sched.rows:
+            slot, n = r.request.slot, r.num_new_tokens
+            ids.extend(r.host_token_ids)
+            relay_src.extend([slot if (r.first_from_relay and j == 0) else -1 for j in range(n)])
+            pos.extend(range(r.start_pos, r.start_pos + n))
+            tok_slot.extend([slot] * n)
+            row_slot.append(slot)
+            seq_lens.append(r.start_pos + n)
+            q_lens.append(n)
+            t += n
+            last_idx.append(t - 1)
+            samples.append(1 if r.samples else 0)
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        tok = self._to_device([ids, relay_src, pos, tok_slot])
+        row = self._to_device([row_slot, seq_lens, last_idx, samples])
+        cu_t = self._to_device([cu])[0].to(torch.int32)
+        input_ids = torch.where(tok[1] >= 0, self.relay[tok[1].clamp(min=0)], tok[0])
+        p = tok[2]
+        blk = self.block_table[tok[3]].gather(1, (p // self.block_size).unsqueeze(1)).squeeze(1).long()
+        slot_mapping = blk * self.block_size + p % self.block_size
+        tables = self.block_table[row[0]]
+        attn = AttentionMetadata(slot_mapping, tables, row[1].to(torch.int32), cu_t, max(q_lens),
+                                 all(n == 1 for n in q_lens), seq_lens, q_lens)
+        hidden = self.model(input_ids, p, self.kv_caches, attn)
+        sampled = self._sample_and_relay(hidden[row[2]], row[0], row[3] > 0, row[1], greedy, masks)
+        return sampled, (tok, row, cu_t)
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        pool = None
+        for b in sorted(self.graph_buckets, reverse=True):
+            for fast in (True, False):
+                meta = torch.zeros(5, b, dtype=torch.int64, device=self.device)
+                meta[_SLOT].fill_(-1)
+                for _ in range(2):  # warm up: compiles Triton kernels, settles allocations
+                    self._decode_program(meta, fast, not fast)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._decode_program(meta, fast, not fast)
+                pool = g.pool()
+                self.graphs[(b, fast)] = _Graph(g, meta, out)
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs for buckets %s", len(self.graphs), self.graph_buckets)
+

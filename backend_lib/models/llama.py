@@ -1,0 +1,151 @@
+"""Llama / Qwen2 / Qwen3 decoder over a paged KV cache.
+
+One module serves the three families; they differ only in flags read from the HF config:
+attention bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling.
+A model may hold a contiguous range of layers (pipeline stages): the first stage owns the
+embedding, the last the final norm and lm_head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.attention import AttentionMetadata, paged_attention, write_kv
+from ..layers.rotary import RotaryEmbedding
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelShape":
+        mt = cfg.model_type
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(
+            model_type=mt, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
+            num_heads=heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim, rms_norm_eps=cfg.rms_norm_eps,
+            attention_bias=bool(getattr(cfg, "attention_bias", False)) or mt == "qwen2",
+            qk_norm=(mt == "qwen3"),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as HF (normalize in fp32, cast back, then scale) so logits match.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape, layer_idx: int):
+        super().__init__()
+        self.s, self.layer_idx = s, layer_idx
+        self.q_size = s.num_heads * s.head_dim
+        self.kv_size = s.num_kv_heads * s.head_dim
+        # q, k and v fused into one matmul (weights concatenated at load time).
+        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=False)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+        self.scale = s.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        s = self.s
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelShape, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = Attention(s, layer_idx)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Layers [layer_start, layer_end) of a Llama-family decoder."""
+
+    def __init__(self, hf_config, layer_start: int = 0, layer_end: Optional[int] = None):
+        super().__init__()
+        s = self.shape = ModelShape.from_hf_config(hf_config)
+        self.layer_start = layer_start
+        self.layer_end = s.num_layers if layer_end is None else layer_end
+        self.is_first = layer_start == 0
+        self.is_last = self.layer_end == s.num_layers
+        if self.is_first:
+            self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(self.layer_start, self.layer_end))
+        if self.is_last:
+            self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+            self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.rotary: Optional[RotaryEmbedding] = None  # set by the loader (not built on meta)
+
+    def forward(self, input_ids_or_hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids_or_hidden) if self.is_first else input_ids_or_hidden
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()

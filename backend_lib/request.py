@@ -1,0 +1,155 @@
+"""Requests, sampling parameters, outputs and finish reasons: the typed seam between the
+Triton glue, the engine thread and the scheduler."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS or a stop token id
+    LENGTH = "length"    # max_tokens or max_model_len reached
+    ABORT = "abort"      # cancelled by the client, or the engine shut down
+    ERROR = "error"      # the engine failed while the request was in flight
+
+    def __str__(self) -> str:  # "stop", not "FinishReason.STOP"
+        return self.value
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1            # -1 (or 0): no top-k
+    top_p: float = 1.0
+    seed: Optional[int] = None  # reproducible per request; None: drawn from the engine seed
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    bad_token_ids: list[int] = field(default_factory=list)  # never sampled
+
+    def validate(self, max_model_len: int, vocab_size: int, max_stop_ids: int) -> None:
+        """Raise ValueError naming the field and its limit."""
+        def fail(name: str, limit: str) -> None:
+            raise ValueError(f"{name} must be {limit} (got {getattr(self, name)!r})")
+
+        if not _is_int(self.max_tokens) or not (1 <= self.max_tokens <= max_model_len):
+            fail("max_tokens", f"an integer in [1, {max_model_len}] (max_model_len)")
+        if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
+            fail("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.temperature, (int, float)) or not (self.temperature >= 0.0) \
+                or self.temperature != self.temperature:
+            fail("temperature", ">= 0")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "-1 (disabled), 0 (disabled) or a positive integer")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            fail("top_p", "in (0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**63)):
+            fail("seed", "an integer in [0, 2**63)")
+        for name in ("stop_token_ids", "bad_token_ids"):
+            ids = getattr(self, name)
+            if any(not _is_int(t) or not (0 <= t < vocab_size) for t in ids):
+                raise ValueError(f"{name} must hold token ids in [0, {vocab_size}) (got {list(ids)!r})")
+        if len(self.stop_token_ids) > max_stop_ids:
+            raise ValueError(f"stop_token_ids may hold at most {max_stop_ids} ids (got {len(self.stop_token_ids)})")
+        if len(self.bad_token_ids) > max_stop_ids:
+            raise ValueError(f"bad_token_ids may hold at most {max_stop_ids} ids (got {len(self.bad_token_ids)})")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_request_counter = itertools.count()
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request. The scheduler owns the counters; the runner never
+    mutates them.
+
+    num_computed_tokens counts tokens whose KV has been *scheduled* (steps in flight
+    included). num_output_placeholders counts decode tokens sampled on the device whose
+    values the host has not seen yet: the async path's honest bookkeeping (seed 001).
+    """
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival: int = field(default_factory=lambda: next(_request_counter))
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: Optional[FinishReason] = None
+    slot: int = -1                 # row in the persistent device tables, -1 when none
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    effective_seed: int = 0
+    num_streamed: int = 0          # output tokens already handed to the client
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the host knows (prompt + confirmed outputs)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def num_generated_with_placeholders(self) -> int:
+        return len(self.output_token_ids) + self.num_output_placeholders
+
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: only the NEW tokens."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[FinishReason] = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0      # total generated so far
+    error: Optional[str] = None
+
+
+@dataclass
+class CompletionOutput:
+    """The whole result of one request (LLMEngine.generate)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: Optional[str]
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> list[int]:
+    ids = list(prompt_token_ids)
+    if len(ids) == 0:
+        raise ValueError("prompt must not be empty (input_ids has 0 tokens)")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than max_model_len={max_model_len}")
+    for t in ids:
+        if not _is_int(t) or not (0 <= t < vocab_size):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab_size}) (vocab size); got {t!r}")
+    return ids

@@ -1,0 +1,259 @@
+"""Continuous batching with a token budget, chunked prefill, preemption by recompute, and
+honest accounting while steps are in flight.
+
+Pure host logic: no torch.cuda here, so every case tests on CPU.
+
+Accounting (vLLM v1 style, seed 001): `num_computed_tokens` counts tokens whose KV has been
+*scheduled*; a row that samples adds one output placeholder at schedule time, resolved when
+its step's tokens reach the host (`update`). A request with steps in flight is scheduled
+again as soon as it has budget and KV room: its next input token is the placeholder, which
+the runner gathers on the device from the relay buffer (never through the host).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .kv_cache import BlockPool, SlotPool
+from .request import FinishReason, Request, RequestOutput, RequestStatus
+
+
+@dataclass
+class ScheduledRow:
+    request: Request
+    start_pos: int              # num_computed_tokens before this step
+    num_new_tokens: int
+    samples: bool               # this row's sampled token is a real output
+    host_token_ids: list[int]   # known input ids; a relay row's first id is a dummy 0
+    first_from_relay: bool      # the first input token is a placeholder: gather it on device
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    rows: list[ScheduledRow] = field(default_factory=list)
+    new_slots: list[Request] = field(default_factory=list)     # admitted this step: upload sampling state
+    grown: list[tuple[Request, int]] = field(default_factory=list)  # (req, first new block index)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(r.num_new_tokens == 1 and r.samples and r.start_pos >= r.request.num_prompt_tokens
+                   for r in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0        # prompt tokens of admitted requests (first admission)
+    generation_tokens_total: int = 0    # output tokens delivered to requests
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 enable_chunked_prefill: bool, blocks: BlockPool):
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        self.blocks = blocks
+        self.slots = SlotPool(max_num_seqs)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._step = 0
+        self._pending_finished: list[RequestOutput] = []  # finished outside update (abort, length at admission)
+
+    # ---- intake -------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self._finish(req, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- schedule -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        out = SchedulerOutput(step_id=self._step)
+        budget = self.token_budget
+        scheduled: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._tokens_to_schedule(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            # Find KV room, preempting from the tail (requests not yet scheduled this step).
+            need = self.blocks.blocks_needed(len(req.block_ids), req.num_computed_tokens + n)
+            while not self.blocks.can_allocate(need):
+                victim = self.running[-1]
+                if victim is req or id(victim) in scheduled:
+                    break
+                self._preempt(victim)
+                out.num_preempted += 1
+            if not self.blocks.can_allocate(need):
+                if id(req) not in scheduled and req is self.running[-1] and len(self.running) > 1:
+                    self._preempt(req)
+                    out.num_preempted += 1
+                    continue
+                i += 1
+                continue
+            self._add_row(out, req, n, need)
+            scheduled.add(id(req))
+            budget -= n
+            i += 1
+
+        if out.num_preempted == 0:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                if req.num_output_placeholders > 0:
+                    break  # preempted with steps in flight: re-admit once their tokens arrived
+                total = req.num_tokens - req.num_computed_tokens
+                if total > budget and not self.chunked:
+                    break
+                n = min(total, budget)
+                need = self.blocks.blocks_needed(len(req.block_ids), req.num_computed_tokens + n)
+                if not self.blocks.can_allocate(need):
+                    break
+                self.waiting.popleft()
+                if req.num_preemptions == 0:
+                    self.stats.prompt_tokens_total += req.num_prompt_tokens
+                req.status = RequestStatus.RUNNING
+                req.slot = self.slots.acquire()
+                out.new_slots.append(req)
+                self.running.append(req)
+                self._add_row(out, req, n, need)
+                scheduled.add(id(req))
+                budget -= n
+        return out
+
+    def _tokens_to_schedule(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens_with_placeholders - req.num_computed_tokens
+        if remaining <= 0:
+            return 0
+        if remaining <= budget:
+            # This row would sample: skip it when the host already knows the request has all
+            # the tokens it may get (no wasted overshoot step for length limits).
+            if req.num_generated_with_placeholders >= req.sampling.max_tokens \
+                    or req.num_tokens_with_placeholders >= self.max_model_len:
+                return 0
+            return remaining
+        return budget if self.chunked else 0
+
+    def _add_row(self, out: SchedulerOutput, req: Request, n: int, need: int) -> None:
+        if need:
+            first_new = len(req.block_ids)
+            req.block_ids.extend(self.blocks.allocate(need))
+            out.grown.append((req, first_new))
+        start = req.num_computed_tokens
+        known = req.num_tokens
+        ids = [req.token_at(p) if p < known else 0 for p in range(start, start + n)]
+        first_from_relay = start >= known
+        samples = start + n == req.num_tokens_with_placeholders
+        req.num_computed_tokens += n
+        if samples:
+            req.num_output_placeholders += 1
+        out.rows.append(ScheduledRow(req, start, n, samples, ids, first_from_relay))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.block_ids)
+        req.block_ids = []
+        self.slots.release(req.slot)
+        req.slot = -1
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- results ------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, sampled: Optional[Sequence[int]]) -> list[RequestOutput]:
+        """Apply one step's sampled tokens (one per row, in row order; None when the step
+        produced none). Tokens of rows whose request has finished meanwhile are discarded:
+        the overshoot of a stop found one step late is never streamed."""
+        outputs = self._pending_finished
+        self._pending_finished = []
+        if sampled is None:
+            return outputs
+        for row, token in zip(sched.rows, sampled):
+            if not row.samples:
+                continue  # a non-final prefill chunk: its sample is meaningless
+            req = row.request
+            if req.is_finished:
+                continue
+            req.num_output_placeholders -= 1
+            req.output_token_ids.append(int(token))
+            self.stats.generation_tokens_total += 1
+            reason = self._stop_reason(req, int(token))
+            if reason is not None:
+                self._finish(req, reason, emit=False)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int) -> Optional[FinishReason]:
+        sp = req.sampling
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
+                return FinishReason.STOP
+        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        new = req.output_token_ids[req.num_streamed:]
+        req.num_streamed = len(req.output_token_ids)
+        return RequestOutput(req.request_id, new, req.is_finished, req.finish_reason,
+                             req.num_prompt_tokens, len(req.output_token_ids))
+
+    def _finish(self, req: Request, reason: FinishReason, emit: bool = True) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        if req.block_ids:
+            self.blocks.free(req.block_ids)
+            req.block_ids = []
+        if req.slot >= 0:
+            self.slots.release(req.slot)
+            req.slot = -1
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+        if emit:
+            self._pending_finished.append(self._output(req))
+
+    def take_finished(self) -> list[RequestOutput]:
+        outs, self._pending_finished = self._pending_finished, []
+        return outs
