@@ -38,6 +38,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     max_stop_token_ids: int = 16            # per-request device-side stop-id table width
     seed: int = 0                           # engine seed for requests that give none
+    load_format: str = "safetensors"        # safetensors | dummy (random weights of the config's shape: benchmarks)
 
     # ---- validation -------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -50,6 +51,8 @@ class EngineConfig:
             fail("device", f"must be one of {_DEVICES}")
         if self.dtype not in _DTYPES:
             fail("dtype", f"must be one of {_DTYPES}")
+        if self.load_format not in ("safetensors", "dummy"):
+            fail("load_format", "must be 'safetensors' or 'dummy'")
         if self.async_token_handoff not in _TRISTATE:
             fail("async_token_handoff", f"must be one of {_TRISTATE}")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("block_size", 1),

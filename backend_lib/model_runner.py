@@ -43,7 +43,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.dtype = _DTYPES[cfg.dtype]
-        self.model = build_model(hf_config, cfg.model_path, self.device, self.dtype)
+        self.model = build_model(hf_config, cfg.model_path, self.device, self.dtype,
+                                 load_format=cfg.load_format)
         s = self.shape = self.model.shape
         self.vocab_size = s.vocab_size
         self.block_size = cfg.block_size

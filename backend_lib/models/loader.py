@@ -39,12 +39,21 @@ def safetensors_files(path: str) -> list[str]:
 
 
 def build_model(hf_config, path: str, device: torch.device, dtype: torch.dtype,
-                layer_start: int = 0, layer_end: Optional[int] = None) -> DecoderModel:
+                layer_start: int = 0, layer_end: Optional[int] = None,
+                load_format: str = "safetensors") -> DecoderModel:
     # Build on the meta device (no random init of billions of weights), then materialize.
     with torch.device("meta"):
         model = DecoderModel(hf_config, layer_start, layer_end)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = RotaryEmbedding(hf_config, model.shape.head_dim).to(device)
+    if load_format == "dummy":  # benchmarks of real shapes without checkpoints on disk
+        gen = torch.Generator(device=device).manual_seed(0)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.fill_(1.0)
+            else:
+                p.data.normal_(0.0, 0.02, generator=gen)
+        return model.eval().requires_grad_(False)
     loaded = _load_weights(model, path, device, dtype)
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
