@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
@@ -45,6 +46,8 @@ class EngineStats:
     async_steps_total: int = 0
     sync_steps_total: int = 0
     num_preemptions: int = 0
+    step_time_s: float = 0.0        # wall time inside step() since start
+    wait_time_s: float = 0.0        # of which: waiting on step events (host idle)
     gpu_idle_gap_us: list[float] = field(default_factory=list)
 
 
@@ -75,6 +78,8 @@ class LLMEngine:
         self._seed_rng = random.Random(cfg.seed)
         self._async_steps = 0
         self._sync_steps = 0
+        self._step_s = 0.0
+        self._wait_s = 0.0
         logger.info("engine ready: async_token_handoff=%s (%s)", self.async_enabled,
                     "; ".join(self.decision.reasons) or "all requirements met")
 
@@ -103,6 +108,7 @@ class LLMEngine:
 
     # ---- the step loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             self._inflight.append((sched, self.runner.execute(sched, self.eos_token_ids)))
@@ -117,11 +123,14 @@ class LLMEngine:
         # drain one so the loop always makes progress.
         while self._inflight and (len(self._inflight) > self._max_inflight or sched.is_empty):
             done_sched, handle = self._inflight.popleft()
+            w0 = time.perf_counter()
             tokens = handle.get()
+            self._wait_s += time.perf_counter() - w0
             self.runner.handoff.collect_gap(handle)
             outputs.extend(self.scheduler.update(done_sched, tokens))
             if sched.is_empty:
                 break
+        self._step_s += time.perf_counter() - t0
         return outputs
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -151,6 +160,7 @@ class LLMEngine:
             generation_tokens_total=s.stats.generation_tokens_total,
             async_steps_total=self._async_steps, sync_steps_total=self._sync_steps,
             num_preemptions=s.stats.num_preemptions,
+            step_time_s=self._step_s, wait_time_s=self._wait_s,
             gpu_idle_gap_us=self.runner.handoff.take_gaps_us())
 
 
