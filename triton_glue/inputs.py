@@ -206,8 +206,9 @@ def parse_sampling_tensors(arrays: Arrays) -> SamplingFields:
     if f.seed is None:
         f.seed = get_int(arrays, "random_seed", None)
     f.ignore_eos = get_bool(arrays, "ignore_eos", False)
-    f.stop_token_ids = get_ids(arrays, "stop_token_ids") or []
-    f.bad_token_ids = get_ids(arrays, "bad_token_ids") or []
+    # -1 pads ragged lists (TensorRT-LLM convention)
+    f.stop_token_ids = [t for t in (get_ids(arrays, "stop_token_ids") or []) if t >= 0]
+    f.bad_token_ids = [t for t in (get_ids(arrays, "bad_token_ids") or []) if t >= 0]
     end_id = get_int(arrays, "end_id", None)
     if end_id is not None and end_id >= 0:
         # TensorRT-LLM's end_id replaces the model's EOS.
@@ -242,7 +243,7 @@ def parse_token_request(arrays: Arrays) -> TokenRequest:
     return TokenRequest(
         prompt_ids=ids,
         sampling=samp,
-        stream=get_bool(arrays, "stream", True),
+        stream=get_bool(arrays, "stream", False),
         exclude_input=get_bool(arrays, "exclude_input_in_output", False),
         return_num_input_tokens=get_bool(arrays, "return_num_input_tokens", False),
         return_num_output_tokens=get_bool(arrays, "return_num_output_tokens", False),

@@ -1,0 +1,246 @@
+"""`llm`: decoupled, token-level model on backend_lib.AsyncEngine.
+
+Threads (per model instance):
+  - Triton's execute thread: parse + validate + AsyncEngine.add_request, returns None at once;
+  - the engine loop thread (backend_lib);
+  - the engine's dispatcher thread: the ONLY sender; it turns RequestOutputs into responses;
+  - a monitor thread: polls is_cancelled() of in-flight requests (-> AsyncEngine.abort) and
+    exports engine stats to the metrics endpoint.
+Every request gets exactly one FINAL: from the dispatcher (normal end, abort, engine error),
+or from execute itself when the request is rejected before reaching the engine.
+"""
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+_ROOT = Path(__file__).resolve().parents[3]
+if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from triton_glue import config as glue_config  # noqa: E402
+from triton_glue.bls import CANCEL_PREFIX  # noqa: E402
+from triton_glue.detokenizer import PREFIX_WINDOW  # noqa: E402
+from triton_glue.inputs import InputError, parse_token_request  # noqa: E402
+from triton_glue.metrics import EngineMetrics  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class _Inflight:
+    __slots__ = ("rid", "sender", "stream", "exclude_input", "prompt", "tail", "first_sent",
+                 "ret_in", "ret_out", "pending", "t_arrival", "t_first", "t_last", "n_out",
+                 "cancelled", "last_cancel_check", "key")
+
+    def __init__(self, rid, sender, req):
+        self.rid = rid
+        self.sender = sender
+        self.stream = req.stream
+        self.exclude_input = req.exclude_input
+        self.prompt = req.prompt_ids
+        self.tail = list(req.prompt_ids[-PREFIX_WINDOW:])  # tokens before the next chunk
+        self.first_sent = False
+        self.ret_in = req.return_num_input_tokens
+        self.ret_out = req.return_num_output_tokens
+        self.pending = []          # non-streaming: tokens so far
+        self.t_arrival = time.monotonic()
+        self.t_first = None
+        self.t_last = None
+        self.n_out = 0
+        self.cancelled = False
+        self.last_cancel_check = 0.0
+        self.key = None
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException("llm must use the decoupled transaction policy")
+        self.name = args["model_name"]
+        self.instance = args["model_instance_name"]
+        self.logger = pb_utils.Logger
+        # An invalid parameter fails the load here with a ValueError naming it.
+        cfg = glue_config.engine_config(self.model_config, args["model_repository"])
+        self.cancel_poll_s = float(glue_config.glue_parameter(self.model_config, "cancel_poll_ms")) / 1e3
+        self.stats_interval_s = float(glue_config.glue_parameter(self.model_config, "stats_interval_ms")) / 1e3
+        self.metrics = EngineMetrics(pb_utils, {"model": self.name, "version": args["model_version"]})
+
+        from backend_lib import AsyncEngine
+        self.logger.log_info(f"[llm] starting engine: {cfg.to_json()}")
+        self.engine = AsyncEngine(cfg)  # start-up handshake: re-raises engine errors
+        self.logger.log_info(f"[llm] engine ready (vocab={self.engine.vocab_size}, "
+                             f"max_model_len={self.engine.max_model_len})")
+        self._ids = itertools.count()
+        self._inflight = {}
+        self._by_key = {}  # "bls-..." Triton request id -> _Inflight (upstream cancel by BLS)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_main, name="llm-monitor", daemon=True)
+        self._monitor.start()
+
+    # ---- execute: parse + enqueue only --------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+                if "cancel_request_id" in arrays:
+                    self._control_cancel(arrays["cancel_request_id"])
+                    sender.send(flags=FINAL)
+                    continue
+                req = parse_token_request(arrays)
+                params = req.sampling.to_params()
+                rid = f"{self.instance}-{next(self._ids)}"
+                ctx = _Inflight(rid, sender, req)
+                tid = request.request_id() or ""
+                with self._lock:
+                    self._inflight[rid] = ctx
+                    if tid.startswith(CANCEL_PREFIX):
+                        ctx.key = tid
+                        self._by_key[tid] = ctx
+                try:
+                    self.engine.add_request(rid, req.prompt_ids, params, callback=self._on_output)
+                except BaseException:
+                    with self._lock:
+                        self._inflight.pop(rid, None)
+                        if ctx.key:
+                            self._by_key.pop(ctx.key, None)
+                    raise
+            except (InputError, ValueError, RuntimeError) as e:
+                self.metrics.request_rejected()
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
+            except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
+                self.metrics.request_rejected()
+                sender.send(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"internal error: {e!r}")), flags=FINAL)
+        return None
+
+    # ---- the sender: runs on the engine's dispatcher thread -----------------------------
+    def _on_output(self, out):
+        with self._lock:
+            ctx = self._inflight.get(out.request_id)
+            if ctx is not None and out.finished:
+                del self._inflight[out.request_id]
+                if ctx.key:
+                    self._by_key.pop(ctx.key, None)
+        if ctx is None:
+            return
+        now = time.monotonic()
+        new = out.new_token_ids
+        if new:
+            if ctx.t_first is None:
+                ctx.t_first = now
+                self.metrics.ttft.observe(now - ctx.t_arrival)
+            ctx.t_last = now
+            ctx.n_out += len(new)
+        if out.finished:
+            self._account(ctx, out)
+        if out.error is not None:
+            ctx.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=FINAL)
+            return
+        if out.finished and ctx.cancelled:
+            ctx.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                "request cancelled", pb_utils.TritonError.CANCELLED)), flags=FINAL)
+            return
+        if not ctx.stream:
+            ctx.pending.extend(new)
+            if not out.finished:
+                return
+            new = ctx.pending
+        elif not new and not out.finished:
+            return
+        # Cheap per-token cancellation check (the monitor covers requests with no output).
+        if not out.finished and now - ctx.last_cancel_check >= self.cancel_poll_s / 2:
+            ctx.last_cancel_check = now
+            if ctx.sender.is_cancelled():
+                self._cancel(ctx)
+        ids = new
+        prefix = ctx.tail
+        if not ctx.first_sent and not ctx.exclude_input:
+            ids = list(ctx.prompt) + list(new)
+            prefix = []
+        ctx.first_sent = True
+        ctx.tail = (ctx.tail + list(new))[-PREFIX_WINDOW:]
+        tensors = [
+            pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int64).reshape(1, -1)),
+            pb_utils.Tensor("prefix_ids", np.asarray([prefix], dtype=np.int64).reshape(1, -1)),
+            pb_utils.Tensor("finish_reason", np.asarray(
+                [[str(out.finish_reason).encode() if out.finished else b""]], dtype=np.object_)),
+        ]
+        if ctx.ret_in:
+            tensors.append(pb_utils.Tensor("num_input_tokens",
+                                           np.asarray([[len(ctx.prompt)]], dtype=np.int32)))
+        if ctx.ret_out:
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.asarray([[len(new)]], dtype=np.int32)))
+        ctx.sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
+                        flags=FINAL if out.finished else 0)
+
+    def _account(self, ctx, out):
+        self.metrics.request_finished(str(out.finish_reason) if out.finish_reason is not None else "error",
+                                      num_prompt=len(ctx.prompt), num_generated=ctx.n_out)
+        if ctx.n_out >= 2 and ctx.t_first is not None:
+            self.metrics.tpot.observe((ctx.t_last - ctx.t_first) / (ctx.n_out - 1))
+
+    def _control_cancel(self, arr):
+        raw = np.asarray(arr).reshape(-1)[0]
+        key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        with self._lock:
+            ctx = self._by_key.get(key)
+        if ctx is not None:
+            self._cancel(ctx)
+
+    def _cancel(self, ctx):
+        if not ctx.cancelled:
+            ctx.cancelled = True
+            self.engine.abort(ctx.rid)
+
+    # ---- monitor: cancellation polling + stats ------------------------------------------
+    def _monitor_main(self):
+        next_stats = 0.0
+        while not self._stop.wait(self.cancel_poll_s):
+            now = time.monotonic()
+            with self._lock:
+                todo = [c for c in self._inflight.values()
+                        if not c.cancelled and now - c.last_cancel_check >= self.cancel_poll_s]
+            for ctx in todo:
+                ctx.last_cancel_check = now
+                try:
+                    if ctx.sender.is_cancelled():
+                        self._cancel(ctx)
+                except Exception:  # noqa: BLE001 - a finished request's sender may be gone
+                    pass
+            if now >= next_stats:
+                next_stats = now + self.stats_interval_s
+                self._export_stats()
+
+    def _export_stats(self):
+        try:
+            self.metrics.export_engine_stats(self.engine.stats(), self.engine.is_healthy())
+        except Exception as e:  # noqa: BLE001
+            self.logger.log_warn(f"[llm] stats export failed: {e!r}")
+
+    def finalize(self):
+        # shutdown() aborts every in-flight request; each gets its final output through the
+        # dispatcher, so every stream receives FINAL and an unload never hangs.
+        self.logger.log_info("[llm] finalize: shutting the engine down")
+        try:
+            self.engine.shutdown()
+        finally:
+            self._stop.set()
+            self._monitor.join(5)
+            with self._lock:
+                leftover, self._inflight = list(self._inflight.values()), {}
+            for ctx in leftover:  # anything the engine never answered
+                try:
+                    ctx.sender.send(pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError("model is unloading")), flags=FINAL)
+                except Exception:  # noqa: BLE001
+                    pass
+            self.metrics.close()

@@ -1,0 +1,214 @@
+"""The text routes written as BLS over the token-level `llm` model: `llm_bls` (TensorRT-LLM
+interface) and `vllm_model` (vllm_backend interface) share this driver.
+
+Per request, on a worker thread (execute only parses and submits):
+  text -> ids (the `preprocessing` model through BLS, or the tokenizer in-process)
+  -> `llm` with exec(decoupled=True), always streaming tokens
+  -> IncrementalDetokenizer (stateful, exact) -> StopStringMatcher (stop strings on text,
+     never sent) -> responses (streamed, or one at the end).
+When a stop string hits, or the client cancels, the upstream llm request is cancelled (the
+response iterator's cancel() where the Triton release has it; on 24.10 a control request to
+`llm` carrying `cancel_request_id`) and the remaining upstream responses are drained.
+Every request gets exactly one FINAL.
+
+pb_utils is passed in; nothing here imports it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .detokenizer import IncrementalDetokenizer
+from .inputs import InputError, TextRequest
+from .stops import StopStringMatcher
+from .tokenize import encode_prompt, words_to_single_token_ids
+
+log = logging.getLogger("triton_glue.bls")
+CANCEL_PREFIX = "bls-"
+
+
+@dataclass
+class Chunk:
+    """What one response to the client carries."""
+    text: str
+    num_output_tokens: int
+    finish_reason: Optional[str]
+    num_input_tokens: int
+    final: bool
+
+
+class BlsRoute:
+    def __init__(self, pb_utils: Any, tokenizer: Any, *, llm_model: str = "llm",
+                 preprocessing_model: Optional[str] = None, max_workers: int = 256,
+                 make_response: Callable[[TextRequest, Chunk], Any]):
+        self.pb = pb_utils
+        self.tok = tokenizer
+        self.llm_model = llm_model
+        self.pre_model = preprocessing_model
+        self.make_response = make_response
+        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="bls")
+        self._closing = threading.Event()
+
+    # ---- called from execute ------------------------------------------------------------
+    def submit(self, request: Any, parsed: TextRequest) -> None:
+        sender = request.get_response_sender()
+        self.pool.submit(self._run_safe, sender, parsed)
+
+    def close(self) -> None:
+        self._closing.set()
+        self.pool.shutdown(wait=True, cancel_futures=False)
+
+    # ---- worker thread --------------------------------------------------------------------
+    def _run_safe(self, sender: Any, req: TextRequest) -> None:
+        FINAL = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            self._run(sender, req)
+        except InputError as e:
+            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
+        except _UpstreamError as e:
+            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
+            log.exception("BLS request failed")
+            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(f"internal error: {e!r}")),
+                        flags=FINAL)
+
+    def _tokenize(self, req: TextRequest) -> tuple[list[int], list[int]]:
+        if self.pre_model is None:
+            ids = encode_prompt(self.tok, req.text)
+            bad = words_to_single_token_ids(self.tok, "bad_words", req.bad_words)
+            return ids, bad
+        pb = self.pb
+        inputs = [pb.Tensor("QUERY", np.array([[req.text.encode("utf-8")]], dtype=np.object_)),
+                  pb.Tensor("REQUEST_OUTPUT_LEN", np.array([[req.sampling.max_tokens or 16]], dtype=np.int32))]
+        if req.bad_words:
+            inputs.append(pb.Tensor("BAD_WORDS_DICT", np.array([[w.encode() for w in req.bad_words]],
+                                                               dtype=np.object_)))
+        resp = pb.InferenceRequest(model_name=self.pre_model, inputs=inputs,
+                                   requested_output_names=["INPUT_ID", "BAD_WORDS_IDS"]).exec()
+        if resp.has_error():
+            raise _UpstreamError(resp.error().message())
+        ids = pb.get_output_tensor_by_name(resp, "INPUT_ID").as_numpy().reshape(-1).tolist()
+        bad = [t for t in pb.get_output_tensor_by_name(resp, "BAD_WORDS_IDS").as_numpy().reshape(-1).tolist()
+               if t >= 0]
+        return ids, bad
+
+    def _llm_request(self, req: TextRequest, ids: list[int], bad: list[int], key: str) -> Any:
+        pb, s = self.pb, req.sampling
+
+        def t(name, value, dtype):
+            return pb.Tensor(name, np.array([value], dtype=dtype).reshape(1, -1))
+
+        inputs = [t("input_ids", ids, np.int64), t("max_tokens", [s.max_tokens or 16], np.int32),
+                  t("stream", [True], np.bool_), t("exclude_input_in_output", [True], np.bool_)]
+        if s.temperature is not None:
+            inputs.append(t("temperature", [s.temperature], np.float32))
+        if s.top_k is not None:
+            inputs.append(t("top_k", [s.top_k], np.int32))
+        if s.top_p is not None:
+            inputs.append(t("top_p", [s.top_p], np.float32))
+        if s.seed is not None:
+            if s.seed < 0:
+                raise InputError("seed", f"must be >= 0 (got {s.seed})")
+            inputs.append(t("seed", [s.seed], np.uint64))
+        if s.min_tokens:
+            inputs.append(t("min_tokens", [s.min_tokens], np.int32))
+        if s.stop_token_ids:
+            inputs.append(t("stop_token_ids", s.stop_token_ids, np.int64))
+        if bad or s.bad_token_ids:
+            inputs.append(t("bad_token_ids", list(s.bad_token_ids) + bad, np.int64))
+        if s.ignore_eos:
+            inputs.append(t("ignore_eos", [True], np.bool_))
+        return pb.InferenceRequest(model_name=self.llm_model, inputs=inputs, request_id=key,
+                                   requested_output_names=["output_ids", "finish_reason"])
+
+    def _cancel_upstream(self, it: Any, key: str) -> None:
+        if hasattr(it, "cancel"):
+            try:
+                it.cancel()
+                return
+            except Exception:  # noqa: BLE001
+                pass
+        pb = self.pb
+        ctl = pb.InferenceRequest(model_name=self.llm_model, request_id=key + "-cancel",
+                                  inputs=[pb.Tensor("cancel_request_id",
+                                                    np.array([[key.encode()]], dtype=np.object_))],
+                                  requested_output_names=[])
+        for _ in ctl.exec(decoupled=True):
+            pass
+
+    def _run(self, sender: Any, req: TextRequest) -> None:
+        pb = self.pb
+        FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        ids, bad = self._tokenize(req)
+        key = f"{CANCEL_PREFIX}{uuid.uuid4().hex}"
+        it = self._llm_request(req, ids, bad, key).exec(decoupled=True)
+        detok = IncrementalDetokenizer(self.tok, ids, req.skip_special_tokens)
+        stops = StopStringMatcher(req.stop_strings, req.include_stop_str_in_output)
+        prefix_text = req.text if not req.exclude_input else ""
+        acc_text: list[str] = []
+        n_acc = 0
+        finish: Optional[str] = None
+        stopped = cancelled = False
+        for resp in it:
+            if resp.has_error():
+                if stopped or cancelled:
+                    continue  # the upstream reports our own cancellation
+                raise _UpstreamError(resp.error().message())
+            out = pb.get_output_tensor_by_name(resp, "output_ids")
+            if out is None:  # a flags-only final response
+                continue
+            if stopped or cancelled:
+                continue
+            new = out.as_numpy().reshape(-1).tolist()
+            fr = pb.get_output_tensor_by_name(resp, "finish_reason")
+            fr = fr.as_numpy().reshape(-1)[0] if fr is not None else b""
+            fr = fr.decode() if isinstance(fr, bytes) else str(fr)
+            up_final = fr != ""
+            piece = detok.add(new, final=up_final)
+            res = stops.feed(piece)
+            text = res.text
+            if res.stopped:
+                stopped, finish = True, "stop"
+                self._cancel_upstream(it, key)
+            elif up_final:
+                finish = fr
+                text += stops.flush()
+            if sender.is_cancelled():
+                cancelled = True
+                self._cancel_upstream(it, key)
+                continue
+            final = stopped or up_final
+            if req.stream:
+                if text or final or len(new):
+                    if prefix_text:
+                        text, prefix_text = prefix_text + text, ""
+                    chunk = Chunk(text, len(new), finish if final else None, len(ids), final)
+                    sender.send(self.make_response(req, chunk), flags=FINAL if final else 0)
+            else:
+                acc_text.append(text)
+                n_acc += len(new)
+                if final:
+                    chunk = Chunk(prefix_text + "".join(acc_text), n_acc, finish, len(ids), True)
+                    sender.send(self.make_response(req, chunk), flags=FINAL)
+            if final:
+                # drain whatever the upstream still sends (its own FINAL)
+                for _ in it:
+                    pass
+                return
+        if cancelled:
+            sender.send(pb.InferenceResponse(error=pb.TritonError("request cancelled",
+                                                                  pb.TritonError.CANCELLED)), flags=FINAL)
+            return
+        # the upstream ended without a final chunk: never leave the client hanging
+        sender.send(self.make_response(req, Chunk(stops.flush(), 0, finish or "abort", len(ids), True)),
+                    flags=FINAL)
+
+
+class _UpstreamError(RuntimeError):
+    pass

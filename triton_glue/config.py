@@ -1,0 +1,83 @@
+"""Model-config parameters -> engine config, model/tokenizer path resolution.
+
+Environment variables read here:
+    MODEL_PATH   overrides the `model_path` parameter of every model (llm, tokenizers), so one
+                 variable points the whole repository at another local checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_PATH_ENV = "MODEL_PATH"
+
+# Parameters of the llm model that belong to the Triton glue, not to EngineConfig.
+GLUE_PARAMETERS = {
+    "cancel_poll_ms": "20",        # how often in-flight requests are polled for cancellation
+    "stats_interval_ms": "200",    # how often engine stats are exported to gauges
+}
+
+
+def parameters_of(model_config: Union[str, Mapping[str, Any]]) -> dict[str, str]:
+    """{key: string_value} from a model config (the JSON string Triton passes, or a dict)."""
+    cfg = json.loads(model_config) if isinstance(model_config, str) else model_config
+    out: dict[str, str] = {}
+    for k, v in (cfg.get("parameters") or {}).items():
+        out[k] = v.get("string_value", "") if isinstance(v, Mapping) else str(v)
+    return out
+
+
+def resolve_model_path(path: str, model_dir: Optional[str] = None) -> str:
+    """Absolute path of a local checkpoint: MODEL_PATH wins; a relative path is looked up against
+    the project root, then next to the model repository, then the working directory."""
+    override = os.environ.get(MODEL_PATH_ENV, "").strip()
+    if override:
+        path = override
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return str(p)
+    candidates = [REPO_ROOT / p]
+    if model_dir:
+        md = Path(model_dir).resolve()
+        candidates += [md.parent.parent / p, md.parent / p]
+    candidates.append(Path.cwd() / p)
+    for c in candidates:
+        if c.exists():
+            return str(c.resolve())
+    return str(candidates[0])
+
+
+def engine_config(model_config: Union[str, Mapping[str, Any]], model_dir: Optional[str] = None):
+    """EngineConfig from the llm model's parameters (one-to-one with EngineConfig fields).
+    Unknown parameters (other than the glue's own) fail the load, naming the parameter."""
+    from backend_lib import EngineConfig
+    from backend_lib.config import engine_parameter_names
+
+    params = parameters_of(model_config)
+    known = set(engine_parameter_names()) | set(GLUE_PARAMETERS)
+    unknown = sorted(k for k in params if k not in known)
+    if unknown:
+        raise ValueError(f"parameter {unknown[0]!r} is not an EngineConfig field nor a glue parameter "
+                         f"(known: {sorted(known)})")
+    engine_params = {k: v for k, v in params.items() if k not in GLUE_PARAMETERS}
+    engine_params["model_path"] = resolve_model_path(engine_params.get("model_path", "models/tiny-llama"),
+                                                     model_dir)
+    return EngineConfig.from_parameters(engine_params)
+
+
+def glue_parameter(model_config: Union[str, Mapping[str, Any]], name: str) -> str:
+    return parameters_of(model_config).get(name, GLUE_PARAMETERS[name])
+
+
+def load_tokenizer(model_config: Union[str, Mapping[str, Any]], model_dir: Optional[str] = None):
+    """The tokenizer of the checkpoint folder (parameter `tokenizer_path`, else `model_path`).
+    No remote code, no downloads."""
+    from transformers import AutoTokenizer
+
+    params = parameters_of(model_config)
+    raw = params.get("tokenizer_path") or params.get("model_path") or "models/tiny-llama"
+    path = resolve_model_path(raw, model_dir)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)

@@ -1,0 +1,125 @@
+"""Custom metrics of the `llm` model, exported through the Python backend's metrics API
+(pb_utils.MetricFamily) on Triton's metrics port. pb_utils is passed in, never imported here.
+
+Counters are exact: prompt/generation tokens and finished requests are counted once per
+request, when its final output is sent. Gauges and step counters mirror EngineStats.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
+TPOT_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                1.0, 2.5]
+IDLE_GAP_BUCKETS = [1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 1e-2, 1e-1]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+NAMES = {
+    "ttft": "llm_time_to_first_token_seconds",
+    "tpot": "llm_time_per_output_token_seconds",
+    "prompt": "llm_prompt_tokens_total",
+    "gen": "llm_generation_tokens_total",
+    "finished": "llm_requests_finished_total",
+    "rejected": "llm_requests_rejected_total",
+    "running": "llm_num_requests_running",
+    "waiting": "llm_num_requests_waiting",
+    "kv_used": "llm_kv_blocks_used",
+    "kv_total": "llm_kv_blocks_total",
+    "healthy": "llm_engine_healthy",
+    "async": "llm_async_steps_total",
+    "sync": "llm_sync_steps_total",
+    "preempt": "llm_preemptions_total",
+    "idle": "llm_gpu_idle_gap_seconds",
+}
+
+
+class _Locked:
+    """Serializes calls into one pb_utils metric (they are IPC calls to the server)."""
+
+    def __init__(self, metric: Any, lock: threading.Lock):
+        self._m, self._lock = metric, lock
+
+    def observe(self, v: float) -> None:
+        with self._lock:
+            self._m.observe(float(v))
+
+    def increment(self, v: float) -> None:
+        if v:
+            with self._lock:
+                self._m.increment(float(v))
+
+    def set(self, v: float) -> None:
+        with self._lock:
+            self._m.set(float(v))
+
+
+class EngineMetrics:
+    def __init__(self, pb_utils: Any, labels: dict[str, str]):
+        MF = pb_utils.MetricFamily
+        self._lock = threading.Lock()
+        # The families must outlive their metrics: keep references to all of them.
+        self._families: list[Any] = []
+
+        def fam(key: str, kind: Any, desc: str) -> Any:
+            f = MF(name=NAMES[key], description=desc, kind=kind)
+            self._families.append(f)
+            return f
+
+        def metric(f: Any, extra: dict[str, str] | None = None, buckets=None) -> _Locked:
+            lab = dict(labels, **(extra or {}))
+            m = f.Metric(labels=lab, buckets=buckets) if buckets is not None else f.Metric(labels=lab)
+            return _Locked(m, self._lock)
+
+        self.ttft = metric(fam("ttft", MF.HISTOGRAM, "Time to first token (s), from execute to the first token"),
+                           buckets=TTFT_BUCKETS)
+        self.tpot = metric(fam("tpot", MF.HISTOGRAM, "Time per output token (s), per request: "
+                                                     "(last - first token time) / (tokens - 1)"),
+                           buckets=TPOT_BUCKETS)
+        self.prompt_tokens = metric(fam("prompt", MF.COUNTER, "Prompt tokens of finished requests"))
+        self.generation_tokens = metric(fam("gen", MF.COUNTER, "Generated tokens of finished requests"))
+        f = fam("finished", MF.COUNTER, "Requests finished, by finish reason")
+        self.finished = {r: metric(f, {"reason": r}) for r in FINISH_REASONS}
+        self.rejected = metric(fam("rejected", MF.COUNTER, "Requests rejected before reaching the engine"))
+        self.running = metric(fam("running", MF.GAUGE, "Requests in the running batch"))
+        self.waiting = metric(fam("waiting", MF.GAUGE, "Requests waiting to be scheduled"))
+        self.kv_used = metric(fam("kv_used", MF.GAUGE, "KV-cache blocks in use"))
+        self.kv_total = metric(fam("kv_total", MF.GAUGE, "KV-cache blocks in the pool"))
+        self.healthy = metric(fam("healthy", MF.GAUGE, "1 while the engine thread is alive"))
+        self.async_steps = metric(fam("async", MF.COUNTER, "Engine steps run with the async token handoff engaged"))
+        self.sync_steps = metric(fam("sync", MF.COUNTER, "Engine steps run synchronously"))
+        self.preemptions = metric(fam("preempt", MF.COUNTER, "Requests preempted for KV space"))
+        self.idle_gap = metric(fam("idle", MF.HISTOGRAM, "GPU idle gap between consecutive decode steps (s)"),
+                               buckets=IDLE_GAP_BUCKETS)
+        self._last = {"async": 0, "sync": 0, "preempt": 0}
+
+    def request_finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
+        self.prompt_tokens.increment(num_prompt)
+        self.generation_tokens.increment(num_generated)
+        self.finished.get(reason, self.finished["error"]).increment(1)
+
+    def request_rejected(self) -> None:
+        self.rejected.increment(1)
+
+    def export_engine_stats(self, st: Any, healthy: bool) -> None:
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
+        self.kv_used.set(st.kv_blocks_used)
+        self.kv_total.set(st.kv_blocks_total)
+        self.healthy.set(1 if healthy else 0)
+        for key, total, m in (("async", st.async_steps_total, self.async_steps),
+                              ("sync", st.sync_steps_total, self.sync_steps),
+                              ("preempt", getattr(st, "num_preemptions", 0), self.preemptions)):
+            delta = int(total) - self._last[key]
+            if delta > 0:
+                m.increment(delta)
+                self._last[key] = int(total)
+        for gap_us in st.gpu_idle_gap_us or ():
+            self.idle_gap.observe(gap_us * 1e-6)
+
+    def close(self) -> None:
+        # Drop metrics before their families (the Python backend requires that order).
+        for attr in list(vars(self)):
+            if attr not in ("_families", "_lock"):
+                setattr(self, attr, None)
+        self._families.clear()
