@@ -39,12 +39,16 @@ class _Graph:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, hf_config, decision: AsyncDecision, num_kv_blocks: int,
-                 max_model_len: int):
+                 max_model_len: int, layer_start: int = 0, layer_end: Optional[int] = None,
+                 device: Optional[torch.device] = None):
+        # A layer range makes this runner one pipeline stage (backend_lib/pipeline.py drives
+        # it through the pack_* / apply_* / stage_* pieces below; no CUDA graphs then).
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
+        self.device = torch.device(cfg.device) if device is None else device
         self.dtype = _DTYPES[cfg.dtype]
-        self.model = build_model(hf_config, cfg.model_path, self.device, self.dtype,
+        self.model = build_model(hf_config, cfg.model_path, self.device, self.dtype, layer_start, layer_end,
                                  load_format=cfg.load_format)
+        self.is_pipeline_stage = not (self.model.is_first and self.model.is_last)
         s = self.shape = self.model.shape
         self.vocab_size = s.vocab_size
         self.block_size = cfg.block_size
@@ -78,7 +82,7 @@ class ModelRunner:
         self.decision = decision
         self.graphs: dict[tuple[int, bool], _Graph] = {}
         self.graph_buckets: tuple[int, ...] = ()
-        if self.device.type == "cuda" and cfg.enable_cuda_graph:
+        if self.device.type == "cuda" and cfg.enable_cuda_graph and not self.is_pipeline_stage:
             limit = min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)
             self.graph_buckets = tuple(b for b in GRAPH_BUCKETS if b <= limit)
             if limit not in self.graph_buckets and limit < GRAPH_BUCKETS[-1]:
@@ -89,9 +93,28 @@ class ModelRunner:
     def _update_tables(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> None:
         """Admissions write their slot's sampling state; KV growth writes block-table entries.
         Each is one packed host tensor and one async H2D copy, then a scatter on device."""
+        ints, floats, growth = self.pack_table_updates(sched, eos_ids)
+        if ints:
+            ft = torch.tensor(floats, dtype=torch.float32, pin_memory=self.pin).to(self.device, non_blocking=True)
+            self.apply_admissions(self._to_device(ints), ft)
+        if growth[0]:
+            self.apply_growth(self._to_device(growth))
+
+    @property
+    def admission_width(self) -> int:
+        """Ints per admission row: slot, top_k, seed, prompt_len, min_tokens, banned[k], stops[w]."""
+        return 5 + self.banned.shape[1] + self.min_stop.shape[1]
+
+    def pack_table_updates(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]):
+        """Host side of the table updates: (admission int rows, admission [temperature, top_p]
+        rows, growth [rows, cols, vals]). Also sets the host flags of admitted slots."""
+        ints: list[list[int]] = []
+        floats: list[list[float]] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[int] = []
         if sched.new_slots:
             k, w = self.banned.shape[1], self.min_stop.shape[1]
-            ints, floats = [], []
             for req in sched.new_slots:
                 sp, slot = req.sampling, req.slot
                 stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
@@ -100,26 +123,34 @@ class ModelRunner:
                 floats.append([float(sp.temperature), float(sp.top_p)])
                 self._slot_greedy[slot] = sp.temperature == 0.0
                 self._slot_masks[slot] = bool(sp.bad_token_ids) or sp.min_tokens > 0
-            it = self._to_device(ints)
-            ft = torch.tensor(floats, dtype=torch.float32, pin_memory=self.pin).to(self.device, non_blocking=True)
-            slots = it[:, 0]
-            self.top_k[slots] = it[:, 1]
-            self.seed[slots] = it[:, 2]
-            self.prompt_len[slots] = it[:, 3]
-            self.min_tokens[slots] = it[:, 4]
-            self.banned[slots] = it[:, 5:5 + k]
-            self.min_stop[slots] = it[:, 5 + k:]
-            self.temperature[slots] = ft[:, 0]
-            self.top_p[slots] = ft[:, 1]
-        if sched.grown:
-            rows, cols, vals = [], [], []
-            for req, first in sched.grown:
-                ids = req.block_ids[first:]
-                rows.extend([req.slot] * len(ids))
-                cols.extend(range(first, first + len(ids)))
-                vals.extend(ids)
-            t = self._to_device([rows, cols, vals])
-            self.block_table[t[0], t[1]] = t[2].to(torch.int32)
+        for req, first in sched.grown:
+            ids = req.block_ids[first:]
+            rows.extend([req.slot] * len(ids))
+            cols.extend(range(first, first + len(ids)))
+            vals.extend(ids)
+        return ints, floats, [rows, cols, vals]
+
+    def apply_admissions(self, it: torch.Tensor, ft: torch.Tensor) -> None:
+        """Device side: scatter admission rows ([A, admission_width] int64, [A, 2] f32)."""
+        k = self.banned.shape[1]
+        slots = it[:, 0]
+        self.top_k[slots] = it[:, 1]
+        self.seed[slots] = it[:, 2]
+        self.prompt_len[slots] = it[:, 3]
+        self.min_tokens[slots] = it[:, 4]
+        self.banned[slots] = it[:, 5:5 + k]
+        self.min_stop[slots] = it[:, 5 + k:]
+        self.temperature[slots] = ft[:, 0]
+        self.top_p[slots] = ft[:, 1]
+
+    def apply_growth(self, t: torch.Tensor) -> None:
+        """Device side: block-table entries ([3, G] int64: slot, block index, block id)."""
+        self.block_table[t[0], t[1]] = t[2].to(torch.int32)
+
+    def step_flags(self, sched: SchedulerOutput) -> tuple[bool, bool]:
+        """(all rows greedy, any row needs id masks): host flags that pick the sampling program."""
+        slots = [r.request.slot for r in sched.rows]
+        return all(self._slot_greedy[s] for s in slots), any(self._slot_masks[s] for s in slots)
 
     def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
         """Host int64 rows -> device, asynchronously from pinned memory on CUDA (the caching
@@ -180,19 +211,36 @@ class ModelRunner:
         return self._sample_and_relay(hidden, slot_c, valid & (meta[_SAMPLES] > 0), pos + 1, greedy, masks)
 
     def _sample_and_relay(self, hidden, slot_c, samples, next_pos, greedy, masks) -> torch.Tensor:
+        tokens = self.sample_rows(hidden, slot_c, next_pos, greedy, masks)
+        # Relay: step n+1 gathers its input ids here, on the device, by slot.
+        self.relay[torch.where(samples, slot_c, self.scratch_slot)] = tokens
+        return tokens
+
+    def sample_rows(self, hidden, slot_c, next_pos, greedy, masks) -> torch.Tensor:
+        """Last stage: logits of each row's last hidden state -> sampled ids (per-slot tables)."""
         logits = self.model.compute_logits(hidden)
         st = SamplingTensors(
             temperature=self.temperature[slot_c], top_k=self.top_k[slot_c], top_p=self.top_p[slot_c],
             seed=self.seed[slot_c], position=next_pos, banned_ids=self.banned[slot_c],
             min_stop_ids=self.min_stop[slot_c],
             min_tokens_left=self.min_tokens[slot_c] - (next_pos - self.prompt_len[slot_c]))
-        tokens = sample(logits, st, greedy, masks)
-        # Relay: step n+1 gathers its input ids here, on the device, by slot.
-        self.relay[torch.where(samples, slot_c, self.scratch_slot)] = tokens
-        return tokens
+        return sample(logits, st, greedy, masks)
 
     # ---- mixed / prefill steps (eager) ------------------------------------------------------
     def _mixed_step(self, sched: SchedulerOutput, greedy: bool, masks: bool):
+        tok_h, row_h, cu, seq_lens, q_lens = self.pack_mixed(sched)
+        tok = self._to_device(tok_h)
+        row = self._to_device(row_h)
+        cu_t = self._to_device([cu])[0].to(torch.int32)
+        input_ids = self.gather_input_ids(tok[0], tok[1])
+        p, attn = self.mixed_attention(tok[2], tok[3], row, cu_t, seq_lens, q_lens)
+        hidden = self.model(input_ids, p, self.kv_caches, attn)
+        sampled = self._sample_and_relay(hidden[row[2]], row[0], row[3] > 0, row[1], greedy, masks)
+        return sampled, (tok, row, cu_t)
+
+    def pack_mixed(self, sched: SchedulerOutput):
+        """Host side of a mixed step: tok [ids, relay_src, pos, tok_slot] (4 x T), row
+        [slot, seq_len, last_idx, samples] (4 x S), cu_seqlens_q, seq_lens, q_lens."""
         ids, relay_src, pos, tok_slot = [], [], [], []
         row_slot, seq_lens, q_lens, last_idx, samples = [], [], [], [], []
         t = 0
@@ -211,19 +259,21 @@ class ModelRunner:
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
-        tok = self._to_device([ids, relay_src, pos, tok_slot])
-        row = self._to_device([row_slot, seq_lens, last_idx, samples])
-        cu_t = self._to_device([cu])[0].to(torch.int32)
-        input_ids = torch.where(tok[1] >= 0, self.relay[tok[1].clamp(min=0)], tok[0])
-        p = tok[2]
-        blk = self.block_table[tok[3]].gather(1, (p // self.block_size).unsqueeze(1)).squeeze(1).long()
+        return [ids, relay_src, pos, tok_slot], [row_slot, seq_lens, last_idx, samples], cu, seq_lens, q_lens
+
+    def gather_input_ids(self, host_ids: torch.Tensor, relay_src: torch.Tensor) -> torch.Tensor:
+        """First stage: input ids, placeholders gathered from the relay buffer by slot."""
+        return torch.where(relay_src >= 0, self.relay[relay_src.clamp(min=0)], host_ids)
+
+    def mixed_attention(self, p: torch.Tensor, tok_slot: torch.Tensor, row: torch.Tensor,
+                        cu_t: torch.Tensor, seq_lens: Optional[list[int]], q_lens: list[int]):
+        """(positions, AttentionMetadata) of a mixed step from its device tensors."""
+        blk = self.block_table[tok_slot].gather(1, (p // self.block_size).unsqueeze(1)).squeeze(1).long()
         slot_mapping = blk * self.block_size + p % self.block_size
         tables = self.block_table[row[0]]
         attn = AttentionMetadata(slot_mapping, tables, row[1].to(torch.int32), cu_t, max(q_lens),
                                  all(n == 1 for n in q_lens), seq_lens, q_lens)
-        hidden = self.model(input_ids, p, self.kv_caches, attn)
-        sampled = self._sample_and_relay(hidden[row[2]], row[0], row[3] > 0, row[1], greedy, masks)
-        return sampled, (tok, row, cu_t)
+        return p, attn
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     @torch.inference_mode()
