@@ -1,0 +1,61 @@
+# Everything runs from the repo's own venv (.venv/), made by scripts/setup_venv.sh.
+SHELL      := /bin/bash
+PYTHON     ?= python3
+VENV       := .venv
+VPY        := $(VENV)/bin/python
+REQ_FILES  := $(wildcard requirements*.txt)
+MODELS_DIR := models
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help setup model test bench bench-gpu serve perf clean distclean
+
+help:
+	@echo "make serve      start tritonserver on the model repository (scripts/serve.sh)"
+	@echo "make test       unit + engine + server tests on CPU (gpu-marked tests skipped)"
+	@echo "make setup      create/update .venv (idempotent)"
+	@echo "make model      build the tiny test models under $(MODELS_DIR)/ (idempotent)"
+	@echo "make bench      decode benchmark (python -m bench.decode)"
+	@echo "make bench-gpu  decode benchmark on CUDA"
+	@echo "make perf       perf_analyzer / genai-perf run (scripts/perf.sh)"
+	@echo "make clean      remove models, caches and outputs (keeps .venv); distclean also removes .venv"
+
+setup: $(VENV)/.stamp
+
+# The stamp is written last, so a failed step reruns on the next `make setup`.
+# scripts/install_triton.sh (tritonserver, clients, perf_analyzer) runs when present.
+$(VENV)/.stamp: $(REQ_FILES) scripts/setup_venv.sh $(wildcard scripts/install_triton.sh)
+	@rm -f $@
+	PYTHON=$(PYTHON) VENV=$(VENV) REQ_FILES=requirements.txt scripts/setup_venv.sh
+	@if [ -x scripts/install_triton.sh ]; then \
+		echo "PATH=$(VENV)/bin:... scripts/install_triton.sh"; \
+		PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/install_triton.sh; \
+	fi
+	@touch $@
+
+# make_model.py is idempotent (stamp per folder), so calling it is a cheap no-op when
+# the models are already there and up to date.
+model: setup
+	$(VPY) scripts/make_model.py --all --models-dir $(MODELS_DIR)
+
+test: setup model
+	$(VPY) -m pytest -q tests -m "not gpu" $(PYTEST_ARGS)
+
+bench: setup model
+	$(VPY) -m bench.decode
+
+bench-gpu: setup model
+	$(VPY) -m bench.decode --device cuda
+
+serve: setup model
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/serve.sh
+
+perf: setup model
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/perf.sh
+
+clean:
+	rm -rf $(MODELS_DIR) build out .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print0 | xargs -0 rm -rf
+
+distclean: clean
+	rm -rf $(VENV)
