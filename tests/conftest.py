@@ -1,0 +1,77 @@
+"""Shared pytest setup: markers, GPU auto-skip, tiny-model fixtures.
+
+Markers (registered in pytest.ini): ``gpu`` tests are skipped when torch.cuda is not
+available; ``server`` tests start a real tritonserver.  ``make test`` runs ``-m "not gpu"``.
+
+Model fixtures return the folders built by ``scripts/make_model.py`` under ``models/``,
+building them first if missing or stale (the script's stamp makes this a no-op otherwise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODELS_DIR = REPO_ROOT / "models"
+
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def load_make_model():
+    """Import scripts/make_model.py as a module (scripts/ is not a package)."""
+    name = "make_model"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / "make_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [it for it in items if it.get_closest_marker("gpu") is not None]
+    if gpu_items and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+        for it in gpu_items:
+            it.add_marker(skip)
+
+
+def _tiny(name: str) -> Path:
+    mm = load_make_model()
+    arch, shard = mm.TINY_MODELS[name]
+    return mm.make_tiny(MODELS_DIR / name, arch, shard_size=shard)
+
+
+@pytest.fixture(scope="session")
+def make_model_module():
+    return load_make_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path() -> Path:
+    return _tiny("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path() -> Path:
+    return _tiny("tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_sharded_path() -> Path:
+    return _tiny("tiny-llama-sharded")
