@@ -4,6 +4,10 @@ One module serves the three families; they differ only in flags read from the HF
 attention bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling.
 A model may hold a contiguous range of layers (pipeline stages): the first stage owns the
 embedding, the last the final norm and lm_head.
+
+On CUDA (with Triton) the layers run a residual stream with fused kernels (layers/fused_ops.py):
+one kernel each for add+RMSNorm, rotary+KV write (+ Qwen3 q/k norm) and silu*mul. Elsewhere
+(CPU), or with ``DecoderModel.use_fused_ops = False``, the plain torch code below runs.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers import fused_ops
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
 from ..layers.rotary import RotaryEmbedding
 
@@ -83,17 +88,23 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         self.scale = s.head_dim ** -0.5
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
+                fused: bool = False):
         s = self.s
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if fused:  # one kernel: [q/k norm,] rotary (q in place), K/V into the paged cache
+            qn, kn = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
+            q = fused_ops.rope_and_write_kv(q, k, v, rotary.cos_cache, rotary.sin_cache, positions,
+                                            k_cache, v_cache, meta.slot_mapping, qn, kn, s.rms_norm_eps)
+        else:
+            if s.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotary(positions, q, k)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -104,7 +115,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, fused: bool = False):
+        if fused:
+            return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -121,9 +134,23 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, h, residual, positions, rotary, kv_cache, meta):
+        """Residual-stream form (CUDA): the layer's output is h + residual, the sum being
+        deferred into the next layer's fused add+norm. residual None: h is the full stream."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = h, fused_ops.rms_norm(h, ln1.weight, ln1.eps)
+        else:
+            h, residual = fused_ops.fused_add_rms_norm(h, residual, ln1.weight, ln1.eps)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, fused=True)
+        h, residual = fused_ops.fused_add_rms_norm(h, residual, ln2.weight, ln2.eps)
+        return self.mlp(h, fused=True), residual
+
 
 class DecoderModel(nn.Module):
     """Layers [layer_start, layer_end) of a Llama-family decoder."""
+
+    use_fused_ops = True  # set False (class or instance) to run the torch path on CUDA too
 
     def __init__(self, hf_config, layer_start: int = 0, layer_end: Optional[int] = None):
         super().__init__()
@@ -143,9 +170,19 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids_or_hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids_or_hidden) if self.is_first else input_ids_or_hidden
+        if self._fused(x):
+            residual = None
+            for layer, kv in zip(self.layers, kv_caches):
+                x, residual = layer.forward_fused(x, residual, positions, self.rotary, kv, meta)
+            return x if residual is None else x + residual
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv, meta)
         return x
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self.use_fused_ops and fused_ops.available(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._fused(hidden):
+            return self.lm_head(fused_ops.rms_norm(hidden, self.norm.weight, self.norm.eps)).float()
         return self.lm_head(self.norm(hidden)).float()
