@@ -1,0 +1,159 @@
+"""Stream generated text to the terminal.
+
+    python -m client.generate "prompt" [--model ensemble|llm_bls|vllm_model] [--http]
+                                       [--max-tokens N] [--temperature T] [--stop STR ...]
+                                       [--url HOST:PORT] [--no-stream]
+
+gRPC streaming by default (port GRPC_PORT, 8001); --http uses the HTTP generate_stream
+endpoint (port HTTP_PORT, 8000), i.e. server-sent events.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import uuid
+from typing import Iterator, Optional
+
+import numpy as np
+
+ROUTES = ("ensemble", "llm_bls", "vllm_model")
+
+
+def _trtllm_inputs(prompt: str, max_tokens: int, temperature: Optional[float], stop: list[str],
+                   stream: bool) -> dict:
+    body = {"text_input": prompt, "max_tokens": max_tokens, "stream": stream,
+            "exclude_input_in_output": True}
+    if temperature is not None:
+        body["temperature"] = temperature
+    if stop:
+        body["stop_words"] = stop
+    return body
+
+
+def _vllm_inputs(prompt: str, max_tokens: int, temperature: Optional[float], stop: list[str],
+                 stream: bool) -> dict:
+    sp = {"max_tokens": max_tokens}
+    if temperature is not None:
+        sp["temperature"] = temperature
+    if stop:
+        sp["stop"] = stop
+    return {"text_input": prompt, "stream": stream, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(sp), "return_finish_reason": True}
+
+
+def request_body(model: str, prompt: str, max_tokens: int = 64, temperature: Optional[float] = None,
+                 stop: Optional[list[str]] = None, stream: bool = True) -> dict:
+    make = _vllm_inputs if model.startswith("vllm") else _trtllm_inputs
+    return make(prompt, max_tokens, temperature, list(stop or []), stream)
+
+
+def stream_http(url: str, model: str, body: dict, timeout: float = 300.0) -> Iterator[str]:
+    """Yields text_output pieces from POST /v2/models/<model>/generate_stream (SSE)."""
+    import urllib.request
+    req = urllib.request.Request(f"http://{url}/v2/models/{model}/generate_stream",
+                                 data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            yield _text_of(event.get("text_output", ""))
+
+
+def _text_of(v) -> str:
+    if isinstance(v, list):
+        return "".join(_text_of(x) for x in v)
+    return v if isinstance(v, str) else str(v)
+
+
+def _grpc_inputs(model: str, body: dict):
+    import tritonclient.grpc as grpcclient
+    batched = not model.startswith("vllm")  # TensorRT-LLM-style models have max_batch_size > 0
+
+    def tensor(name, value):
+        if isinstance(value, str):
+            arr = np.array([value.encode("utf-8")], dtype=np.object_)
+        elif isinstance(value, bool):
+            arr = np.array([value], dtype=np.bool_)
+        elif isinstance(value, int):
+            arr = np.array([value], dtype=np.int32)
+        elif isinstance(value, float):
+            arr = np.array([value], dtype=np.float32)
+        elif isinstance(value, list):
+            arr = np.array([v.encode("utf-8") for v in value], dtype=np.object_)
+        else:
+            raise TypeError(name)
+        if batched:
+            arr = arr.reshape(1, -1)
+        dt = {"O": "BYTES", "b": "BOOL", "i": "INT32", "f": "FP32"}[arr.dtype.kind]
+        t = grpcclient.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        return t
+
+    return [tensor(k, v) for k, v in body.items()]
+
+
+def stream_grpc(url: str, model: str, body: dict, timeout: float = 300.0) -> Iterator[str]:
+    """Yields text_output pieces over a gRPC bidirectional stream."""
+    import tritonclient.grpc as grpcclient
+    q: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, _grpc_inputs(model, body), request_id=uuid.uuid4().hex,
+                                  outputs=[grpcclient.InferRequestedOutput("text_output")],
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = q.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(str(error))
+            final = result.get_response().parameters.get("triton_final_response")
+            out = result.as_numpy("text_output")
+            if out is not None:
+                yield "".join(x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in out.reshape(-1))
+            if final is not None and final.bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m client.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("prompt")
+    ap.add_argument("--model", default="ensemble", help=f"one of {ROUTES} (default ensemble)")
+    ap.add_argument("--http", action="store_true", help="HTTP generate_stream instead of gRPC")
+    ap.add_argument("--url", help="host:port (default localhost:$GRPC_PORT or $HTTP_PORT)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float)
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--no-stream", action="store_true", help="one response at the end")
+    args = ap.parse_args(argv)
+    url = args.url or ("localhost:" + (os.environ.get("HTTP_PORT", "8000") if args.http
+                                       else os.environ.get("GRPC_PORT", "8001")))
+    body = request_body(args.model, args.prompt, args.max_tokens, args.temperature, args.stop,
+                        stream=not args.no_stream)
+    fn = stream_http if args.http else stream_grpc
+    try:
+        for piece in fn(url, args.model, body):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Fixtures that start a REAL tritonserver (the one bundled in the nvidia-pytriton wheel, see
+triton_glue/launch.py) on free loopback ports, on this repository's model_repository/.
+
+Every test here is marked `server`; they skip, with the reason, when tritonserver or the
+tiny model cannot be found. One server is shared by the whole session (start-up loads six
+models: ~40 s on 2 cores); tests that need another configuration start their own.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from triton_glue import launch  # noqa: E402
+
+MODEL_DIR = ROOT / "models" / "tiny-llama"
+ACCESS_KEY = "test-access-key"
+START_TIMEOUT_S = float(os.environ.get("TRITON_TEST_START_TIMEOUT", "240"))
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.server)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "server: talks to a real tritonserver started by a fixture")
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+    access_key: str
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        total, found = 0.0, False
+        for line in self.metrics_text().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            lab = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+            if all(lab.get(k) == str(v) for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        if not found:
+            raise KeyError(f"metric {name}{labels} not exported")
+        return total
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _ready(http_port: int, model: Optional[str] = None) -> bool:
+    path = f"/v2/models/{model}/ready" if model else "/v2/health/ready"
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}{path}", timeout=2) as r:
+            return r.status == 200
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def start_server(tmp_dir: Path, *, model_control: str = "none", load_models: tuple = (),
+                 model_repository: Path = ROOT / "model_repository", extra_env: Optional[dict] = None,
+                 wait_model: Optional[str] = None) -> Server:
+    try:
+        inst = launch.find_triton()
+        backend_dir = launch.prepare_backend_dir(inst)
+    except launch.TritonNotFound as e:
+        pytest.skip(f"tritonserver not available: {e}")
+    if not (MODEL_DIR / "config.json").exists() and "MODEL_PATH" not in (extra_env or {}):
+        pytest.skip(f"no model at {MODEL_DIR}: run `make model`")
+    http, grpc, metrics = free_ports(3)
+    opts = launch.ServerOptions(model_repository=model_repository, http_port=http, grpc_port=grpc,
+                                metrics_port=metrics, address="127.0.0.1", model_control=model_control,
+                                load_models=tuple(load_models), access_key=ACCESS_KEY, exit_timeout_s=20)
+    env = launch.server_env(inst)
+    env.update(extra_env or {})
+    env.pop("MODEL_PATH", None) if "MODEL_PATH" not in (extra_env or {}) else None
+    log_path = tmp_dir / f"tritonserver-{http}.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(launch.server_argv(inst, backend_dir, opts), env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    srv = Server(proc, http, grpc, metrics, log_path, ACCESS_KEY)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {proc.returncode}:\n{srv.log_tail()}")
+        if _ready(http, wait_model):
+            return srv
+        time.sleep(0.5)
+    srv.stop()
+    raise RuntimeError(f"tritonserver not ready after {START_TIMEOUT_S} s:\n{srv.log_tail()}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("triton"))
+    yield srv
+    srv.stop()
+    # the log must not hide Python errors from the models
+    bad = [l for l in srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
+    assert not bad, srv.log_tail(120)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+
+
+@pytest.fixture(scope="session")
+def reference_engine():
+    """The in-process engine with the llm model's configuration: greedy outputs to compare."""
+    from backend_lib import EngineConfig, LLMEngine
+    return LLMEngine(EngineConfig(model_path=str(MODEL_DIR)))
