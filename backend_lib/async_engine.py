@@ -150,6 +150,11 @@ class AsyncEngine:
             logger.exception("engine thread died")
             self.error = e
             self._fail_all(FinishReason.ERROR, f"engine failed: {e!r}")
+        finally:
+            try:
+                eng.close()  # pipeline stages: stop (or kill) the worker processes
+            except Exception:  # noqa: BLE001
+                logger.exception("engine close failed")
 
     def _drain_commands(self, block: bool) -> bool:
         eng = self.engine

@@ -68,13 +68,18 @@ class LLMEngine:
         if num_blocks < min_blocks:
             raise ValueError(f"EngineConfig.num_kv_blocks: {num_blocks} blocks cannot hold one sequence of "
                              f"max_model_len={self.max_model_len} (need >= {min_blocks})")
-        self.runner = ModelRunner(cfg, hf, self.decision, num_blocks, self.max_model_len)
+        if cfg.pipeline_parallel_size > 1:
+            from .pipeline import PipelineExecutor  # stage 0 here, the other stages in worker processes
+            self.runner = PipelineExecutor(cfg, hf, self.decision, num_blocks, self.max_model_len)
+        else:
+            self.runner = ModelRunner(cfg, hf, self.decision, num_blocks, self.max_model_len)
         self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    cfg.enable_chunked_prefill, BlockPool(num_blocks, cfg.block_size))
         self.async_enabled = self.decision.enabled
         self._inflight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
-        self._max_inflight = 1 if self.async_enabled else 0
+        # Pipeline parallel: up to one step in flight per stage.
+        self._max_inflight = max(1, cfg.pipeline_parallel_size) if self.async_enabled else 0
         self._seed_rng = random.Random(cfg.seed)
         self._async_steps = 0
         self._sync_steps = 0
@@ -150,6 +155,12 @@ class LLMEngine:
                     if out.finished:
                         res.finish_reason = str(out.finish_reason)
         return [results[r] for r in ids]
+
+    def close(self) -> None:
+        """Stop what the runner owns outside this process (pipeline stages); idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def stats(self) -> EngineStats:
         s = self.scheduler

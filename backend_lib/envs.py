@@ -15,3 +15,35 @@ def force_sync() -> bool:
 
 def log_level() -> str:
     return os.environ.get(LOG_LEVEL_ENV, "WARNING").upper()
+
+# ---- pipeline parallelism (backend_lib/pipeline.py) -------------------------------------------
+# Rendezvous of the stage processes (the standard torch.distributed variables).
+MASTER_ADDR_ENV = "MASTER_ADDR"
+MASTER_PORT_ENV = "MASTER_PORT"
+# Seconds stage 0 waits for a stage's result before declaring the pipeline dead.
+PP_TIMEOUT_ENV = "BACKEND_LIB_PP_TIMEOUT_S"
+# Seconds the worker stages may take to load their layers.
+PP_STARTUP_TIMEOUT_ENV = "BACKEND_LIB_PP_STARTUP_TIMEOUT_S"
+# Test hook: object collectives (send_object_list, ...) raise in every stage.
+PP_FORBID_OBJECTS_ENV = "BACKEND_LIB_PP_FORBID_OBJECT_COLLECTIVES"
+
+
+def master_addr() -> str:
+    return os.environ.get(MASTER_ADDR_ENV, "127.0.0.1").strip() or "127.0.0.1"
+
+
+def master_port() -> "int | None":
+    v = os.environ.get(MASTER_PORT_ENV, "").strip()
+    return int(v) if v else None
+
+
+def pp_timeout_s() -> float:
+    return float(os.environ.get(PP_TIMEOUT_ENV, "300"))
+
+
+def pp_startup_timeout_s() -> float:
+    return float(os.environ.get(PP_STARTUP_TIMEOUT_ENV, "600"))
+
+
+def pp_forbid_objects() -> bool:
+    return os.environ.get(PP_FORBID_OBJECTS_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
