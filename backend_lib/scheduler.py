@@ -177,9 +177,14 @@ class Scheduler:
             out.grown.append((req, first_new))
         start = req.num_computed_tokens
         known = req.num_tokens
-        ids = [req.token_at(p) if p < known else 0 for p in range(start, start + n)]
+        if start >= known:  # decode of a placeholder: its id is gathered on the device
+            ids = [0]
+        elif start + n <= req.num_prompt_tokens:
+            ids = req.prompt_token_ids[start:start + n]
+        else:
+            ids = [req.token_at(p) if p < known else 0 for p in range(start, start + n)]
         first_from_relay = start >= known
-        samples = start + n == req.num_tokens_with_placeholders
+        samples = start + n == known + req.num_output_placeholders
         req.num_computed_tokens += n
         if samples:
             req.num_output_placeholders += 1
