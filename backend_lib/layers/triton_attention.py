@@ -35,7 +35,6 @@ reference still works), the kernels then raise at call time.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
@@ -74,13 +73,14 @@ if HAS_TRITON:
         stride_vb, stride_vt, stride_vh,
         stride_btb,
         stride_ob, stride_oh,
+        num_splits,                 # runtime: programs per (seq, kv head) on axis 2
         G: tl.constexpr,            # q heads per kv head
         GP: tl.constexpr,           # G padded (power of 2, >= 16 for tl.dot)
         D: tl.constexpr,
         DP: tl.constexpr,           # D padded to power of 2
         PAGE: tl.constexpr,         # cache block size (tokens)
         BLOCK_N: tl.constexpr,      # tokens per KV tile
-        NUM_SPLITS: tl.constexpr,
+        SPLIT: tl.constexpr,        # num_splits > 1: write partials for the reduce kernel
         DOT_PREC: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -97,7 +97,7 @@ if HAS_TRITON:
         d_mask = offs_d < D
         heads = kvh * G + offs_g
 
-        if NUM_SPLITS > 1:
+        if SPLIT:
             if sp >= n_tiles:
                 # No tile for this split: the reduce kernel ignores it (never reads it).
                 return
@@ -114,8 +114,8 @@ if HAS_TRITON:
         k_base = K + kvh.to(tl.int64) * stride_kh
         v_base = V + kvh.to(tl.int64) * stride_vh
 
-        # Tiles sp, sp + NUM_SPLITS, ... (round-robin: balanced for any seq_len).
-        for tile in range(sp, n_tiles, NUM_SPLITS):
+        # Tiles sp, sp + num_splits, ... (round-robin: balanced for any seq_len).
+        for tile in range(sp, n_tiles, num_splits):
             tok = tile * BLOCK_N + offs_n
             n_mask = tok < seq_len
             page = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -135,14 +135,14 @@ if HAS_TRITON:
             m_i = m_new
 
         out_mask = g_mask[:, None] & d_mask[None, :]
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
             o = acc / l_safe[:, None]
             o_ptrs = O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
         else:
-            # partials: [B, Hq, NUM_SPLITS, DP] and [B, Hq, NUM_SPLITS]
-            row = (b.to(tl.int64) * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + sp
+            # partials: [B, Hq, num_splits, DP] and [B, Hq, num_splits]
+            row = (b.to(tl.int64) * (tl.num_programs(1) * G) + heads) * num_splits + sp
             tl.store(PART_ACC + row[:, None] * DP + offs_d[None, :], acc, mask=out_mask)
             tl.store(PART_M + row, m_i, mask=g_mask)
             tl.store(PART_L + row, l_i, mask=g_mask)
@@ -152,11 +152,11 @@ if HAS_TRITON:
         PART_ACC, PART_M, PART_L, SL, O,
         stride_ob, stride_oh,
         HQ,
+        num_splits,
         D: tl.constexpr,
         DP: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        SP: tl.constexpr,           # NUM_SPLITS padded to power of 2
+        SP: tl.constexpr,           # num_splits padded to power of 2
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -165,9 +165,9 @@ if HAS_TRITON:
 
         offs_s = tl.arange(0, SP)
         offs_d = tl.arange(0, DP)
-        s_mask = (offs_s < NUM_SPLITS) & (offs_s < n_tiles)   # only splits that ran
+        s_mask = (offs_s < num_splits) & (offs_s < n_tiles)   # only splits that ran
         d_mask = offs_d < D
-        row = (b.to(tl.int64) * HQ + h) * NUM_SPLITS + offs_s
+        row = (b.to(tl.int64) * HQ + h) * num_splits + offs_s
 
         m = tl.load(PART_M + row, mask=s_mask, other=float("-inf"))
         l = tl.load(PART_L + row, mask=s_mask, other=0.0)
@@ -342,7 +342,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
                       block_n: int = 64, num_sms: int = 132) -> int:
     """Static split count for the decode kernel (depends only on shapes)."""
     programs = batch * num_kv_heads
-    target = 4 * num_sms
+    # ~3 resident programs per SM: enough to saturate HBM, and a single wave when the
+    # batch alone fills the GPU (B*Hkv >= target -> no split, no reduce kernel).
+    target = 3 * num_sms
     if programs >= target:
         return 1
     max_tiles = max(1, -(-max_blocks * block_size // block_n))
@@ -394,9 +396,13 @@ def paged_decode_attention(
     gp = max(16, _next_pow2(g))
 
     if num_splits > 1:
-        part_acc = torch.empty((bsz, hq, num_splits, dp), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+        # one allocation (less host overhead); each piece 16-byte aligned
+        n = bsz * hq * num_splits
+        n4 = -(-n // 4) * 4
+        buf = torch.empty(n * dp + 2 * n4, dtype=torch.float32, device=q.device)
+        part_acc = buf[: n * dp]
+        part_m = buf[n * dp: n * dp + n]
+        part_l = buf[n * dp + n4: n * dp + n4 + n]
     else:
         part_acc = part_m = part_l = out  # unused
 
@@ -408,7 +414,8 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=g, GP=gp, D=d, DP=dp, PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        num_splits,
+        G=g, GP=gp, D=d, DP=dp, PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
         DOT_PREC=_dot_prec(k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -416,9 +423,9 @@ def paged_decode_attention(
         _paged_decode_reduce_kernel[(bsz, hq)](
             part_acc, part_m, part_l, seq_lens, out,
             out.stride(0), out.stride(1),
-            hq,
-            D=d, DP=dp, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            SP=_next_pow2(num_splits),
+            hq, num_splits,
+            D=d, DP=dp, BLOCK_N=block_n,
+            SP=max(2, _next_pow2(num_splits)),
             num_warps=4 if dp * _next_pow2(num_splits) >= 4096 else 2,
         )
     return out
@@ -462,9 +469,8 @@ def paged_prefill_attention(
     big = k_cache.element_size() >= 4
     rows = int(max_q_len) * g
     if block_m is None:
+        # H200 sweep (bench/attention_kernels.py): 64 beat 128 on every prefill / mixed case.
         block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-        if rows >= 2048 and not big:
-            block_m = 128
     if block_n is None:
         block_n = 32 if big else 64
     if num_warps is None:
