@@ -158,18 +158,29 @@ def _host_lens(payload: torch.Tensor, h: list[int], width: int) -> tuple[list[in
     return sec.row[1].tolist(), [b - a for a, b in zip(cu, cu[1:])]
 
 
-def install_object_guard() -> None:
+def install_object_guard() -> list:
     """Test hook (envs.pp_forbid_objects): make every object collective raise, so a token or
-    step description moved through a pickled CPU object fails loudly."""
+    step description moved through a pickled CPU object fails loudly. Returns what
+    `restore_object_guard` needs to undo it."""
     def forbidden(name):
         def f(*a, **k):
             raise RuntimeError(f"torch.distributed.{name} is forbidden on the pipeline path")
+        f.pipeline_guard = True
         return f
     import torch.distributed.distributed_c10d as c10d
+    saved = []
     for name in _OBJECT_COLLECTIVES:
         for mod in (dist, c10d):
-            if hasattr(mod, name):
+            fn = getattr(mod, name, None)
+            if fn is not None and not getattr(fn, "pipeline_guard", False):
+                saved.append((mod, name, fn))
                 setattr(mod, name, forbidden(name))
+    return saved
+
+
+def restore_object_guard(saved: list) -> None:
+    for mod, name, fn in saved:
+        setattr(mod, name, fn)
 
 
 class _Comm:
@@ -331,8 +342,7 @@ class PipelineExecutor:
         if dist.is_initialized():
             raise ValueError("EngineConfig.pipeline_parallel_size: torch.distributed is already initialized "
                              "in this process (one pipeline-parallel engine per process)")
-        if envs.pp_forbid_objects():
-            install_object_guard()
+        self._guard = install_object_guard() if envs.pp_forbid_objects() else []
         self.cfg = cfg
         self.pp = pp = cfg.pipeline_parallel_size
         self.ranges = split_layers(hf_config.num_hidden_layers, pp)
@@ -344,6 +354,7 @@ class PipelineExecutor:
         self._sends: deque = deque()
         self.num_token_recvs = 0   # steps whose tokens came back over the device group
         self.num_steps = 0
+        self.num_steps_without_samples = 0  # every row mid-prefill: no token message at all
         addr, port = envs.master_addr(), envs.master_port()
         if port is None:
             port = _pick_port(addr)
@@ -371,6 +382,7 @@ class PipelineExecutor:
             self._kill_workers()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            restore_object_guard(self._guard)
             raise
         self.vocab_size = self.runner.vocab_size
         self.handoff = TokenHandoff(self.device, width=max(cfg.max_num_seqs, 1), depth=pp + 3)
@@ -460,6 +472,8 @@ class PipelineExecutor:
         pending = _Pending(handle, h[_S], row=sec.row)
         if h[_NSAMP] > 0:
             pending.work, pending.buf = self.comm.irecv((h[_S],), torch.int64, self.pp - 1)
+        else:
+            self.num_steps_without_samples += 1
         self._pending.append(pending)
         self.num_steps += 1
         # Sends of older steps have been consumed by now (or the peer is gone: raises).
@@ -517,6 +531,7 @@ class PipelineExecutor:
             except Exception:  # noqa: BLE001
                 pass
         self._store = None
+        restore_object_guard(self._guard)
 
     def _kill_workers(self) -> None:
         _kill_all(self._procs)
@@ -531,4 +546,4 @@ def _kill_all(procs) -> None:
 
 
 __all__ = ["PipelineExecutor", "PipelineError", "split_layers", "validate_pipeline", "pack_step",
-           "stage_forward", "install_object_guard"]
+           "stage_forward", "install_object_guard", "restore_object_guard"]

@@ -1,0 +1,79 @@
+"""Pipeline parallelism on CPU (gloo): PP=2/3 vs PP=1 token identity over a seeded churny
+workload, no object collectives on the token path, rounds with no sampled rows, worker
+death -> errors (not a hang).
+
+Stage processes are spawned, so each PP engine costs a few seconds to start: engines are
+module-scoped and shared by the workloads (the chunk budget is switched on the live
+scheduler between workloads; it only changes how steps are packed, never the tokens).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from backend_lib import AsyncEngine, FinishReason, LLMEngine, SamplingParams
+from pp_workload import MAX_LEN, _cfg, assert_same, drive, make_workload, reference_factory
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path):
+    return reference_factory(LLMEngine(_cfg(tiny_llama_path)))
+
+
+def test_pp2_sync_matches_pp1(tiny_llama_path, reference):
+    eng = LLMEngine(_cfg(tiny_llama_path, pp=2, async_mode="off"))
+    try:
+        assert not eng.async_enabled and eng._max_inflight == 0
+        for budget, seed in ((4, 12), (16, 14)):
+            eng.scheduler.token_budget = budget
+            events, _ = make_workload(seed, eng.vocab_size)
+            assert_same(reference(seed), drive(eng, events))
+    finally:
+        eng.close()
+    assert not dist.is_initialized()
+
+
+def test_pp3_uneven_split_matches_pp1(tiny_llama_path, reference):
+    eng = LLMEngine(_cfg(tiny_llama_path, pp=3, async_mode="on", max_num_batched_tokens=4))
+    try:
+        assert eng.runner.ranges == [(0, 2), (2, 3), (3, 4)]
+        events, _ = make_workload(15, eng.vocab_size)
+        assert_same(reference(15), drive(eng, events))
+    finally:
+        eng.close()
+
+
+def test_killed_stage_fails_requests_not_hang(tiny_llama_path):
+    aeng = AsyncEngine(_cfg(tiny_llama_path, pp=2, async_mode="on"))
+    try:
+        finals: dict[str, object] = {}
+        first = threading.Event()
+        done = threading.Event()
+        n = 4
+
+        def cb(out):
+            if out.new_token_ids:
+                first.set()
+            if out.finished:
+                finals[out.request_id] = out
+                if len(finals) == n:
+                    done.set()
+        for i in range(n):
+            aeng.add_request(f"k{i}", [5 + i, 6, 7], SamplingParams(max_tokens=MAX_LEN - 8, temperature=0.0,
+                                                                    ignore_eos=True), callback=cb)
+        assert first.wait(60), "no token streamed"
+        aeng.engine.runner._procs[0].kill()
+        assert done.wait(60), "requests did not finish after the stage died"
+        assert all(o.finish_reason == FinishReason.ERROR and o.error for o in finals.values())
+        t0 = time.monotonic()
+        while aeng.is_healthy() and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert not aeng.is_healthy()
+        with pytest.raises(RuntimeError, match="not healthy"):
+            aeng.add_request("late", [1, 2], SamplingParams(max_tokens=2))
+    finally:
+        aeng.shutdown(timeout=20)
+    assert not dist.is_initialized()
