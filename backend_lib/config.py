@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -45,6 +46,8 @@ class EngineConfig:
         def fail(name: str, msg: str) -> None:
             raise ValueError(f"EngineConfig.{name}: {msg} (got {getattr(self, name)!r})")
 
+        if isinstance(self.model_path, os.PathLike):
+            self.model_path = os.fspath(self.model_path)
         if not isinstance(self.model_path, str) or not self.model_path:
             fail("model_path", "must be a non-empty path to a local checkpoint folder")
         if self.device not in _DEVICES:
