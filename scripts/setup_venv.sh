@@ -52,6 +52,24 @@ if [[ ! -e "$VENV" ]]; then
 fi
 VPY="$VENV/bin/python"
 
+if [[ $MODE == system-cuda ]]; then
+    # The "system" python may itself be a venv (the H200 image: /opt/torch/.venv).  A venv
+    # made from it with --system-site-packages sees the *base* interpreter's packages, not
+    # the outer venv's torch, so list the outer site-packages in a .pth file (appended to
+    # sys.path after our own site-packages, so what we install here still wins).
+    outer=$("$PYTHON" -c 'import os, site, sys
+if sys.prefix != sys.base_prefix:
+    print("\n".join(p for p in site.getsitepackages() if os.path.isdir(p)))')
+    vsite=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    if [[ -n "$outer" ]]; then
+        printf '%s\n' "$outer" > "$vsite/_system_site.pth"
+        log "system python is a venv: added its site-packages via $vsite/_system_site.pth"
+    else
+        rm -f "$vsite/_system_site.pth"
+    fi
+    "$VPY" -c 'import torch' || { log "ERROR: torch from the system python is not importable in $VENV"; exit 1; }
+fi
+
 pip_args=(--disable-pip-version-check)
 [[ -d .whl ]] && pip_args+=(--find-links "$ROOT/.whl")
 
