@@ -107,3 +107,43 @@ class TokenHandoff:
     def take_gaps_us(self) -> list[float]:
         gaps, self._gaps_us = self._gaps_us, []
         return gaps
+
+
+class HostStaging:
+    """Pinned staging for the per-step host->device uploads (step metadata, table updates).
+
+    A ring of preallocated pinned buffers, each reused only after the event of its last copy
+    has completed. Allocating pinned memory per step instead (torch.tensor(pin_memory=True))
+    calls cudaHostAlloc whenever the caching host allocator has no free block, and that call
+    synchronizes the device: measured on the H200, the host then blocked for a whole step.
+    On CPU the rows are returned as a plain tensor (no copy).
+    """
+
+    def __init__(self, device: torch.device, capacity_bytes: int, depth: int = 32):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.capacity = capacity_bytes
+        self._bufs = [torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=True)
+                      for _ in range(depth)] if self.is_cuda else []
+        self._events: list[Any] = [None] * depth
+        self._next = 0
+
+    def upload(self, rows: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        host = torch.tensor(rows, dtype=dtype)
+        if not self.is_cuda:
+            return host
+        nbytes = host.numel() * host.element_size()
+        if nbytes > self.capacity:  # unusually large step: a one-off pinned tensor
+            return host.pin_memory().to(self.device, non_blocking=True)
+        i = self._next
+        self._next = (i + 1) % len(self._bufs)
+        if self._events[i] is not None:
+            self._events[i].synchronize()  # normally long complete: the ring is deep
+        staged = self._bufs[i][:nbytes].view(dtype).view(host.shape)
+        staged.copy_(host)
+        dev = torch.empty(host.shape, dtype=dtype, device=self.device)
+        dev.copy_(staged, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[i] = ev
+        return dev

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .config import AsyncDecision, EngineConfig
-from .handoff import StepHandle, TokenHandoff
+from .handoff import HostStaging, StepHandle, TokenHandoff
 from .layers.attention import AttentionMetadata
 from .layers.sampler import SamplingTensors, sample
 from .models.loader import build_model
@@ -79,6 +79,8 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"
 
         self.handoff = TokenHandoff(dev, width=max(n, 1), depth=4)
+        # Largest upload: a mixed step's 4 x max_num_batched_tokens token rows (int64).
+        self.staging = HostStaging(dev, 8 * (4 * cfg.max_num_batched_tokens + 8 * n + 4096))
         self.decision = decision
         self.graphs: dict[tuple[int, bool], _Graph] = {}
         self.graph_buckets: tuple[int, ...] = ()
@@ -95,7 +97,7 @@ class ModelRunner:
         Each is one packed host tensor and one async H2D copy, then a scatter on device."""
         ints, floats, growth = self.pack_table_updates(sched, eos_ids)
         if ints:
-            ft = torch.tensor(floats, dtype=torch.float32, pin_memory=self.pin).to(self.device, non_blocking=True)
+            ft = self.staging.upload(floats, torch.float32)
             self.apply_admissions(self._to_device(ints), ft)
         if growth[0]:
             self.apply_growth(self._to_device(growth))
@@ -153,9 +155,8 @@ class ModelRunner:
         return all(self._slot_greedy[s] for s in slots), any(self._slot_masks[s] for s in slots)
 
     def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
-        """Host int64 rows -> device, asynchronously from pinned memory on CUDA (the caching
-        host allocator keeps the pinned block alive until the copy has run)."""
-        return torch.tensor(rows, dtype=torch.int64, pin_memory=self.pin).to(self.device, non_blocking=True)
+        """Host int64 rows -> device, asynchronously through the pinned staging ring."""
+        return self.staging.upload(rows)
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
