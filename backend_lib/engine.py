@@ -62,6 +62,11 @@ class LLMEngine:
         if self.max_model_len > hf.max_position_embeddings:
             raise ValueError(f"EngineConfig.max_model_len: {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={hf.max_position_embeddings}")
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a prompt must fit one step's budget; a longer one would wait forever.
+            raise ValueError(f"EngineConfig.max_num_batched_tokens: {cfg.max_num_batched_tokens} is smaller than "
+                             f"max_model_len={self.max_model_len}; with enable_chunked_prefill=false every prompt "
+                             f"must fit one step (raise it, lower max_model_len, or enable chunked prefill)")
         self.eos_token_ids = _eos_ids(cfg.model_path, hf)
         num_blocks = self._num_kv_blocks(hf)
         min_blocks = (self.max_model_len + cfg.block_size - 1) // cfg.block_size + 1
@@ -109,7 +114,9 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._inflight)
+        # Pending finished outputs (e.g. the "abort" final of a request aborted between steps)
+        # count: the next step() delivers them.
+        return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self.scheduler._pending_finished)
 
     # ---- the step loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,0 +1,179 @@
+"""Shared helpers of the engine tests (tests/engine): engines, HF references, a step driver.
+
+Everything here is deterministic (seeded) and CPU-only.
+"""
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from backend_lib import EngineConfig, LLMEngine, SamplingParams
+
+EOS = 2          # tiny models' </s> (scripts/make_model.py)
+LOW_ID = 4       # first non-special id: random prompts use [LOW_ID, vocab)
+
+
+def make_engine(path, **kw) -> LLMEngine:
+    # 400 blocks of 16 tokens: plenty for these tests, and cheap to allocate (the CPU default
+    # pool is 2048 blocks); tests that want preemption pass a small num_kv_blocks.
+    base = dict(model_path=str(path), device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=400)
+    base.update(kw)
+    return LLMEngine(EngineConfig(**base))
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int = 768) -> list[int]:
+    return [rng.randrange(LOW_ID, vocab) for _ in range(n)]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+# ---- HF references -------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4)
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=256)
+def _hf_generate_cached(path: str, prompt: tuple, max_new: int, stop_at_eos: bool, min_new: int):
+    m = hf_model(path)
+    kw = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=3)
+    if stop_at_eos:
+        kw["eos_token_id"] = EOS
+        if min_new:
+            kw["min_new_tokens"] = min_new
+    else:
+        kw["eos_token_id"] = None
+    with torch.inference_mode():
+        out = m.generate(torch.tensor([list(prompt)]), **kw)[0, len(prompt):].tolist()
+    if stop_at_eos and EOS in out:  # HF pads after EOS (only in batches; be safe)
+        out = out[:out.index(EOS) + 1]
+    return tuple(out)
+
+
+def hf_greedy(path, prompt: Sequence[int], max_new: int, stop_at_eos: bool = False,
+              min_new: int = 0) -> list[int]:
+    """HF `generate(do_sample=False)` for one unpadded prompt (cached)."""
+    return list(_hf_generate_cached(str(path), tuple(prompt), max_new, stop_at_eos, min_new))
+
+
+# ---- a step driver with staggered arrivals and aborts -----------------------------------------
+
+@dataclass
+class Spec:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int = 0                 # step index at which the request is added
+    abort_at: Optional[int] = None   # step index at which it is aborted (if still unfinished)
+    # Abort once the request is computing: 0 = as soon as part of its prompt is computed
+    # (mid-prefill when chunked), k > 0 = once k output tokens were received (decoding; in
+    # async mode a step is then in flight for it).
+    abort_after_tokens: Optional[int] = None
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    num_outputs: int = 0
+
+
+@dataclass
+class RunInfo:
+    results: dict
+    steps: int
+    launched_with_inflight: int      # steps launched while an earlier step was still unread
+    launched: int
+    stats: object = None
+    aborts_with_inflight: int = 0    # aborts of requests that had a step in flight (placeholders)
+
+
+def run_specs(engine: LLMEngine, specs: Sequence[Spec], order_rng: Optional[random.Random] = None,
+              on_step: Optional[Callable[[LLMEngine, int], None]] = None, max_steps: int = 200000) -> RunInfo:
+    """Drive `engine` step by step: add each spec at its arrival step, abort at abort_at
+    (aborts of one step in scrambled order), collect outputs. Checks the streaming contract
+    on the way: nothing after a finished output, num_output_tokens consistent."""
+    by_arrival: dict[int, list[Spec]] = {}
+    by_abort: dict[int, list[str]] = {}
+    for s in specs:
+        by_arrival.setdefault(s.arrival, []).append(s)
+        if s.abort_at is not None:
+            by_abort.setdefault(s.abort_at, []).append(s.rid)
+    results = {s.rid: Result() for s in specs}
+    watch = {s.rid: s.abort_after_tokens for s in specs if s.abort_after_tokens is not None}
+    last_arrival = max(by_arrival) if by_arrival else 0
+
+    launched = [0, 0]
+    aborts_inflight = 0
+    orig_execute = engine.runner.execute
+
+    def counting_execute(sched, eos):
+        launched[0] += 1
+        if engine._inflight:
+            launched[1] += 1
+        return orig_execute(sched, eos)
+
+    engine.runner.execute = counting_execute
+    try:
+        step = 0
+        while step <= last_arrival or engine.has_unfinished() or engine.scheduler._pending_finished:
+            assert step < max_steps, "engine made no progress"
+            for s in by_arrival.get(step, []):
+                engine.add_request(s.rid, s.prompt, s.params)
+            aborts = list(by_abort.get(step, []))
+            for rid, k in list(watch.items()):
+                req = engine.scheduler.requests.get(rid)
+                if results[rid].finish_reason is not None:
+                    del watch[rid]
+                elif req is not None and ((k == 0 and req.num_computed_tokens > 0) or
+                                          (k > 0 and len(results[rid].tokens) >= k)):
+                    aborts.append(rid)
+                    del watch[rid]
+            if order_rng is not None:
+                aborts.sort()
+                order_rng.shuffle(aborts)
+            for rid in aborts:
+                req = engine.scheduler.requests.get(rid)
+                if req is not None and req.num_output_placeholders > 0:
+                    aborts_inflight += 1
+                engine.abort(rid)
+            for out in engine.step():
+                r = results[out.request_id]
+                assert r.finish_reason is None, f"{out.request_id}: output after the final one"
+                r.tokens.extend(out.new_token_ids)
+                r.num_outputs += 1
+                assert out.num_output_tokens == len(r.tokens), (out, len(r.tokens))
+                if out.finished:
+                    assert out.finish_reason is not None
+                    r.finish_reason = str(out.finish_reason)
+                else:
+                    assert out.finish_reason is None
+            if on_step is not None:
+                on_step(engine, step)
+            step += 1
+    finally:
+        engine.runner.execute = orig_execute
+    return RunInfo(results, step, launched[1], launched[0], engine.stats(), aborts_inflight)
+
+
+def expected_from_reference(ref: Sequence[int], params: SamplingParams, eos_ids=(EOS,)) -> tuple[list[int], str]:
+    """Greedy output of a request from the ignore_eos reference continuation `ref` (at least
+    max_tokens long): cut at the first EOS / stop id at or after min_tokens."""
+    out = []
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    if stops & set(ref[:params.min_tokens]):
+        raise ValueError("min_tokens masks a stop id the reference emits: the reference does not apply")
+    for i, t in enumerate(ref[:params.max_tokens]):
+        out.append(t)
+        if len(out) > params.min_tokens and ((not params.ignore_eos and t in eos_ids) or t in params.stop_token_ids):
+            return out, "stop"
+    assert len(out) == params.max_tokens, "reference too short"
+    return out, "length"

@@ -1,0 +1,184 @@
+"""AsyncEngine: streaming (callback / iterator) equals LLMEngine.generate, abort by id,
+shutdown with requests in flight, start-up errors, synchronous input validation."""
+import random
+import threading
+import time
+
+import pytest
+
+from backend_lib import AsyncEngine, EngineConfig, SamplingParams
+from engine_helpers import EOS, greedy, make_engine, random_prompt
+
+KW = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=120, max_num_batched_tokens=48,
+          max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_llama_path):
+    return str(tiny_llama_path)
+
+
+def _workload(n=40, seed=3):
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(n):
+        prompts.append(random_prompt(rng, rng.randint(1, 200)))
+        sampled = i % 5 == 0
+        params.append(SamplingParams(max_tokens=rng.randint(1, 32), temperature=0.7 if sampled else 0.0,
+                                     seed=i if sampled else None, ignore_eos=i % 2 == 0,
+                                     stop_token_ids=[rng.randrange(4, 768) for _ in range(3)]))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def generate_reference(path):
+    prompts, params = _workload()
+    outs = make_engine(path, **{k: v for k, v in KW.items() if k not in ("device", "dtype")}).generate(prompts, params)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 3
+    return prompts, params, [(o.token_ids, o.finish_reason) for o in outs]
+
+
+def _wait(pred, timeout=60.0):
+    t0 = time.time()
+    while not pred():
+        assert time.time() - t0 < timeout, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("async_mode", ["off", "on"])
+def test_streamed_equals_generate(path, generate_reference, async_mode):
+    prompts, params, ref = generate_reference
+    aeng = AsyncEngine(EngineConfig(model_path=path, async_token_handoff=async_mode, **KW))
+    try:
+        assert aeng.engine.async_enabled is (async_mode == "on")
+        got: dict[str, list] = {}
+        threads = set()
+        done = threading.Event()
+        lock = threading.Lock()
+
+        def cb(out):
+            threads.add(threading.get_ident())
+            with lock:
+                got.setdefault(out.request_id, []).append(out)
+                if sum(1 for v in got.values() if v[-1].finished) == half:
+                    done.set()
+
+        half = len(prompts) // 2
+        streams = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if i < half:
+                aeng.add_request(f"cb-{i}", p, sp, callback=cb)
+            else:
+                streams.append(aeng.add_request(f"it-{i}", p, sp))
+            if i % 7 == 0:
+                time.sleep(0.01)  # staggered arrivals
+        iterated = [list(s) for s in streams]
+        assert done.wait(120)
+        assert len(threads) == 1 and threading.get_ident() not in threads  # one dispatcher thread
+        for i in range(len(prompts)):
+            outs = got[f"cb-{i}"] if i < half else iterated[i - half]
+            assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+            toks = [t for o in outs for t in o.new_token_ids]
+            assert all(o.new_token_ids for o in outs[:-1])
+            assert (toks, str(outs[-1].finish_reason)) == ref[i], i
+            assert outs[-1].num_output_tokens == len(toks) and outs[-1].num_prompt_tokens == len(prompts[i])
+        _wait(lambda: aeng.num_inflight() == 0)
+        assert aeng.stats().kv_blocks_used == 0
+    finally:
+        aeng.shutdown()
+
+
+@pytest.mark.parametrize("async_mode", ["off", "on"])
+def test_abort_by_id_and_shutdown_deliver_finals(path, async_mode):
+    aeng = AsyncEngine(EngineConfig(model_path=path, async_token_handoff=async_mode, **KW))
+    p = [5, 6, 7, 8, 9]
+    full = make_engine(path).generate([p], greedy(40, ignore_eos=True))[0].token_ids
+    first_token = threading.Event()
+    outs = []
+
+    def cb(out):
+        outs.append(out)
+        first_token.set()
+
+    aeng.add_request("victim", p, greedy(400, ignore_eos=True), callback=cb)
+    assert first_token.wait(60)
+    aeng.abort("victim")
+    _wait(lambda: outs and outs[-1].finished)
+    toks = [t for o in outs for t in o.new_token_ids]
+    assert str(outs[-1].finish_reason) == "abort" and 0 < len(toks) < 400
+    n = min(len(toks), len(full))
+    assert toks[:n] == full[:n]
+    aeng.abort("victim")      # a second abort / an unknown id are no-ops
+    aeng.abort("never-added")
+
+    # Shutdown with requests in flight: each gets a final output ("abort").
+    streams = [aeng.add_request(f"s{i}", p + [i + 10], greedy(400, ignore_eos=True)) for i in range(4)]
+    waiting = [aeng.add_request(f"w{i}", [7] * 300, greedy(400, ignore_eos=True)) for i in range(2)]
+    _wait(lambda: aeng.stats().generation_tokens_total > len(toks) + 8)
+    aeng.shutdown()
+    for s in streams + waiting:
+        toks, reason = s.result()
+        assert str(reason) == "abort"
+    assert aeng.engine.stats().kv_blocks_used == 0
+    with pytest.raises(RuntimeError):
+        aeng.add_request("late", p, greedy(3))
+
+
+def test_startup_error_reraised_from_constructor(tmp_path):
+    with pytest.raises(ValueError, match="model_path"):
+        AsyncEngine(EngineConfig(model_path=str(tmp_path / "no-such-model"), **KW))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"')  # broken checkpoint
+    with pytest.raises(Exception):
+        AsyncEngine(EngineConfig(model_path=str(tmp_path), **KW))
+
+
+def test_add_request_bad_input_raises_synchronously(path):
+    aeng = AsyncEngine(EngineConfig(model_path=path, async_token_handoff="on", **KW))
+    try:
+        s = aeng.add_request("ok", [5, 6, 7], greedy(6, ignore_eos=True))
+        for prompt, sp, word in (([], greedy(3), "prompt"), ([5, 768], greedy(3), "input_ids"),
+                                 ([5], SamplingParams(max_tokens=3, top_p=0.0), "top_p"),
+                                 ([5], greedy(0), "max_tokens"), ([5] * 512, greedy(3), "max_model_len"),
+                                 ([5], greedy(3, min_tokens=4), "min_tokens")):
+            with pytest.raises(ValueError) as e:
+                aeng.add_request("bad", prompt, sp)
+            assert word in str(e.value)
+        with pytest.raises(ValueError, match="request_id"):
+            aeng.add_request("ok", [5], greedy(3))
+        toks, reason = s.result()
+        assert toks == make_engine(path).generate([[5, 6, 7]], greedy(6, ignore_eos=True))[0].token_ids
+        assert str(reason) == "length"
+        # After all that the engine still serves (and the rejected ids were never registered).
+        toks, reason = aeng.add_request("bad", [5, 6, 7], greedy(2, ignore_eos=True)).result()
+        assert len(toks) == 2 and aeng.is_healthy()
+    finally:
+        aeng.shutdown()
+
+
+def test_engine_death_fails_inflight_requests_and_goes_unhealthy(path):
+    aeng = AsyncEngine(EngineConfig(model_path=path, async_token_handoff="on", **KW))
+    try:
+        outs = []
+        got_token = threading.Event()
+
+        def cb(out):
+            outs.append(out)
+            got_token.set()
+
+        aeng.add_request("a", [5, 6, 7], greedy(400, ignore_eos=True), callback=cb)
+        stream = aeng.add_request("b", [8, 9], greedy(400, ignore_eos=True))
+        assert got_token.wait(60)
+
+        def boom():
+            raise RuntimeError("injected device failure")
+
+        aeng.engine.step = boom
+        toks, reason = stream.result()
+        assert str(reason) == "error"
+        _wait(lambda: outs and outs[-1].finished)
+        assert str(outs[-1].finish_reason) == "error" and "injected device failure" in outs[-1].error
+        assert not aeng.is_healthy() and isinstance(aeng.error, RuntimeError)
+        with pytest.raises(RuntimeError, match="not healthy"):
+            aeng.add_request("c", [5], greedy(3))
+    finally:
+        aeng.shutdown(timeout=5)
