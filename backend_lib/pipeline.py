@@ -34,8 +34,10 @@ from __future__ import annotations
 import datetime
 import logging
 import multiprocessing.connection
+import os
 import socket
 import struct
+import sys
 import time
 import traceback
 import weakref
@@ -212,6 +214,18 @@ def _pick_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
+def _python_executable() -> str:
+    if os.path.basename(sys.executable or "").startswith("python"):
+        return sys.executable
+    v = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for d in (sys.prefix, sys.exec_prefix, sys.base_prefix):
+        for name in (v, "python3", "python"):
+            cand = os.path.join(d, "bin", name)
+            if os.access(cand, os.X_OK):
+                return cand
+    return sys.executable
+
+
 def _stage_device(cfg: EngineConfig, rank: int) -> torch.device:
     if cfg.device != "cuda":
         return torch.device("cpu")
@@ -362,6 +376,9 @@ class PipelineExecutor:
         self._store = dist.TCPStore(addr, port, pp, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=120))
         ctx = torch.multiprocessing.get_context("spawn")
+        exe = _python_executable()
+        if exe != sys.executable:  # embedded interpreters (Triton's Python stub) are not python
+            ctx.set_executable(exe)
         ready_q = ctx.Queue()
         self._procs = []
         for rank in range(1, pp):
@@ -428,9 +445,9 @@ class PipelineExecutor:
     def is_healthy(self) -> bool:
         return self._failed is None and not self._closed and all(p.is_alive() for p in self._procs)
 
-    def _wait(self, work) -> None:
-        """Wait for a receive: on gloo bounded by the timeout (a dead peer raises at once);
-        on NCCL this only orders the current stream after the receive (no host wait)."""
+    def _wait(self, work, what: str = "receive") -> None:
+        """Wait for a send or receive: on gloo bounded by the timeout (a dead peer raises at
+        once); on NCCL this only orders the current stream after it (no host wait)."""
         try:
             if self.backend == "gloo":
                 work.wait(timeout=datetime.timedelta(seconds=envs.pp_timeout_s()))
@@ -441,7 +458,7 @@ class PipelineExecutor:
                 self._check_alive()
             except PipelineError:
                 raise
-            self._fail(PipelineError(f"pipeline receive failed: {e}"))
+            self._fail(PipelineError(f"pipeline {what} failed: {e}"))
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -478,7 +495,7 @@ class PipelineExecutor:
         self.num_steps += 1
         # Sends of older steps have been consumed by now (or the peer is gone: raises).
         while len(self._sends) > 3 * (self.pp + 1):
-            self._sends.popleft()[0].wait()
+            self._wait(self._sends.popleft()[0], "send")
         return handle
 
     def _resolve_all(self) -> None:

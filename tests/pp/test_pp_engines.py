@@ -8,13 +8,15 @@ scheduler between workloads; it only changes how steps are packed, never the tok
 """
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
-from backend_lib import AsyncEngine, FinishReason, LLMEngine, SamplingParams
+from backend_lib import AsyncEngine, FinishReason, LLMEngine, SamplingParams, envs
 from pp_workload import MAX_LEN, _cfg, assert_same, drive, make_workload, reference_factory
 
 
@@ -46,7 +48,12 @@ def test_pp3_uneven_split_matches_pp1(tiny_llama_path, reference):
         eng.close()
 
 
-def test_killed_stage_fails_requests_not_hang(tiny_llama_path):
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_dead_stage_fails_requests_not_hang(tiny_llama_path, monkeypatch, how):
+    """kill: the stage process dies (sentinel / closed connection). stop: it hangs alive
+    (SIGSTOP); stage 0's receive timeout ends the wait."""
+    if how == "stop":
+        monkeypatch.setenv(envs.PP_TIMEOUT_ENV, "5")  # read by every wait: set before any starts
     aeng = AsyncEngine(_cfg(tiny_llama_path, pp=2, async_mode="on"))
     try:
         finals: dict[str, object] = {}
@@ -65,7 +72,11 @@ def test_killed_stage_fails_requests_not_hang(tiny_llama_path):
             aeng.add_request(f"k{i}", [5 + i, 6, 7], SamplingParams(max_tokens=MAX_LEN - 8, temperature=0.0,
                                                                     ignore_eos=True), callback=cb)
         assert first.wait(60), "no token streamed"
-        aeng.engine.runner._procs[0].kill()
+        proc = aeng.engine.runner._procs[0]
+        if how == "kill":
+            proc.kill()
+        else:
+            os.kill(proc.pid, signal.SIGSTOP)
         assert done.wait(60), "requests did not finish after the stage died"
         assert all(o.finish_reason == FinishReason.ERROR and o.error for o in finals.values())
         t0 = time.monotonic()
