@@ -1,0 +1,1 @@
+"""Benchmarks (printed, not asserted): `python -m bench.decode` (decode throughput vs HF generate)."""
