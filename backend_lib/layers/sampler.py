@@ -64,8 +64,10 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop = rank >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+    # top_p == 1 keeps everything: the float32 cumsum reaches 1.0 before the tail does, which
+    # would otherwise drop the least likely tokens.
     cum_before = probs.cumsum(-1) - probs
-    drop = drop | (cum_before >= top_p.unsqueeze(1))
+    drop = drop | ((cum_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

@@ -154,3 +154,51 @@ def test_bad_token_ids_never_sampled(path, async_mode):
             assert len(out.token_ids) == 24
             assert not set(sp.bad_token_ids) & set(out.token_ids)
     assert eng.stats().kv_blocks_used == 0
+
+
+def test_top_k_top_p_keep_the_same_tokens_as_hf_warpers():
+    import torch
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from backend_lib.layers.sampler import _top_k_top_p
+    g = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    for _ in range(40):
+        logits = torch.randn(1, 64, generator=g) * rng.choice([0.5, 2.0, 6.0])
+        temp, k, p = rng.choice([0.3, 0.7, 1.0, 1.8]), rng.choice([-1, 1, 3, 10, 64, 100]), rng.choice([0.05, 0.5, 0.9, 1.0])
+        ours = _top_k_top_p(logits / temp, torch.tensor([k]), torch.tensor([p]))
+        hf = TemperatureLogitsWarper(temp)(None, logits.clone())
+        if k > 0:
+            hf = TopKLogitsWarper(k)(None, hf)
+        if p < 1.0:
+            hf = TopPLogitsWarper(p)(None, hf)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(hf)), (temp, k, p)
+        kept = torch.isfinite(ours)
+        torch.testing.assert_close(ours[kept], hf[kept])
+
+
+def test_sampler_draws_from_the_softmax_distribution():
+    """Seeds 0..N-1 on the same logits: token frequencies match softmax(logits / T) restricted
+    to top-k / top-p, within 4.5 sigma (deterministic: the noise is a hash of seed/position)."""
+    import torch
+
+    from backend_lib.layers.sampler import SamplingTensors, sample
+    n, v = 8000, 6
+    base = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -3.0])
+    for temp, top_k, top_p, allowed in ((1.0, -1, 1.0, 6), (0.7, 3, 1.0, 3), (1.3, -1, 0.8, None)):
+        logits = base.repeat(n, 1)
+        st = SamplingTensors(
+            temperature=torch.full((n,), temp), top_k=torch.full((n,), top_k, dtype=torch.int64),
+            top_p=torch.full((n,), top_p), seed=torch.arange(n, dtype=torch.int64) * 7919 + 11,
+            position=torch.full((n,), 17, dtype=torch.int64), banned_ids=torch.full((n, 1), -1, dtype=torch.int64),
+            min_stop_ids=torch.full((n, 1), -1, dtype=torch.int64), min_tokens_left=torch.zeros(n, dtype=torch.int64))
+        toks = sample(logits, st, all_greedy=False, use_masks=False)
+        probs = (base / temp).softmax(-1)
+        if allowed is None:  # top-p: the smallest prefix (by probability) reaching top_p
+            cum = probs.cumsum(-1) - probs
+            allowed = int((cum < top_p).sum())
+        probs[allowed:] = 0
+        probs /= probs.sum()
+        freq = torch.bincount(toks, minlength=v).double() / n
+        sigma = (probs * (1 - probs) / n).sqrt().double()
+        assert torch.all((freq - probs.double()).abs() <= 4.5 * sigma + 1e-12), (temp, top_k, top_p, freq, probs)
