@@ -85,7 +85,7 @@ class BlsRoute:
             return ids, bad
         pb = self.pb
         inputs = [pb.Tensor("QUERY", np.array([[req.text.encode("utf-8")]], dtype=np.object_)),
-                  pb.Tensor("REQUEST_OUTPUT_LEN", np.array([[req.sampling.max_tokens or 16]], dtype=np.int32))]
+                  pb.Tensor("REQUEST_OUTPUT_LEN", np.array([[16 if req.sampling.max_tokens is None else req.sampling.max_tokens]], dtype=np.int32))]
         if req.bad_words:
             inputs.append(pb.Tensor("BAD_WORDS_DICT", np.array([[w.encode() for w in req.bad_words]],
                                                                dtype=np.object_)))
@@ -104,7 +104,7 @@ class BlsRoute:
         def t(name, value, dtype):
             return pb.Tensor(name, np.array([value], dtype=dtype).reshape(1, -1))
 
-        inputs = [t("input_ids", ids, np.int64), t("max_tokens", [s.max_tokens or 16], np.int32),
+        inputs = [t("input_ids", ids, np.int64), t("max_tokens", [16 if s.max_tokens is None else s.max_tokens], np.int32),
                   t("stream", [True], np.bool_), t("exclude_input_in_output", [True], np.bool_)]
         if s.temperature is not None:
             inputs.append(t("temperature", [s.temperature], np.float32))

@@ -1,8 +1,11 @@
 """Model-config parameters -> engine config, model/tokenizer path resolution.
 
 Environment variables read here:
-    MODEL_PATH   overrides the `model_path` parameter of every model (llm, tokenizers), so one
-                 variable points the whole repository at another local checkpoint.
+    MODEL_PATH        overrides the `model_path` parameter of every model (llm, tokenizers), so
+                      one variable points the whole repository at another local checkpoint.
+    TRITON_HTTP_PORT  the server's HTTP port, exported by triton_glue.launch (and the container
+                      entrypoint) so the llm model can notice an unload (its readiness drops)
+                      and abort in-flight streams instead of making the unload wait for them.
 """
 from __future__ import annotations
 
@@ -13,6 +16,12 @@ from typing import Any, Mapping, Optional, Union
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_PATH_ENV = "MODEL_PATH"
+HTTP_PORT_ENV = "TRITON_HTTP_PORT"
+
+
+def server_http_url() -> Optional[str]:
+    port = os.environ.get(HTTP_PORT_ENV, "").strip()
+    return f"http://127.0.0.1:{port}" if port.isdigit() else None
 
 # Parameters of the llm model that belong to the Triton glue, not to EngineConfig.
 GLUE_PARAMETERS = {

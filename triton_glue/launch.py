@@ -218,6 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     opts = options_from_env(args)
     cmd = server_argv(inst, backend_dir, opts)
+    env["TRITON_HTTP_PORT"] = str(opts.http_port)
     if args.command == "argv":
         print(" ".join(cmd))
         return 0

@@ -129,6 +129,7 @@ def start_server(tmp_dir: Path, *, model_control: str = "none", load_models: tup
                                 metrics_port=metrics, address="127.0.0.1", model_control=model_control,
                                 load_models=tuple(load_models), access_key=ACCESS_KEY, exit_timeout_s=20)
     env = launch.server_env(inst)
+    env["TRITON_HTTP_PORT"] = str(http)
     env.update(extra_env or {})
     env.pop("MODEL_PATH", None) if "MODEL_PATH" not in (extra_env or {}) else None
     log_path = tmp_dir / f"tritonserver-{http}.log"

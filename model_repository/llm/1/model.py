@@ -15,6 +15,8 @@ import os
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +38,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class _Inflight:
     __slots__ = ("rid", "sender", "stream", "exclude_input", "prompt", "tail", "first_sent",
                  "ret_in", "ret_out", "pending", "t_arrival", "t_first", "t_last", "n_out",
-                 "cancelled", "last_cancel_check", "key")
+                 "cancelled", "last_cancel_check", "key", "lock", "closed")
 
     def __init__(self, rid, sender, req):
         self.rid = rid
@@ -56,6 +58,10 @@ class _Inflight:
         self.cancelled = False
         self.last_cancel_check = 0.0
         self.key = None
+        # is_cancelled() on a sender whose FINAL was sent crashes tritonserver 2.51 (the
+        # response factory is gone): FINAL is sent, and polls happen, under this lock.
+        self.lock = threading.Lock()
+        self.closed = False
 
 
 class TritonPythonModel:
@@ -64,6 +70,7 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException("llm must use the decoupled transaction policy")
         self.name = args["model_name"]
+        self.version = args["model_version"]
         self.instance = args["model_instance_name"]
         self.logger = pb_utils.Logger
         # An invalid parameter fails the load here with a ValueError naming it.
@@ -82,14 +89,24 @@ class TritonPythonModel:
         self._by_key = {}  # "bls-..." Triton request id -> _Inflight (upstream cancel by BLS)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Triton calls finalize only after every in-flight request has sent FINAL, so an
+        # unload would wait for the longest stream. The monitor watches the model's readiness
+        # (it drops when an unload starts) and then aborts what is in flight.
+        self._seen_ready = False
+        self._unloading = False
+        base = glue_config.server_http_url()
+        self._ready_url = f"{base}/v2/models/{self.name}/versions/{self.version}/ready" if base else None
         self._monitor = threading.Thread(target=self._monitor_main, name="llm-monitor", daemon=True)
         self._monitor.start()
 
     # ---- execute: parse + enqueue only --------------------------------------------------
     def execute(self, requests):
+        self._seen_ready = True  # requests only arrive once the model is ready
         for request in requests:
             sender = request.get_response_sender()
             try:
+                if self._unloading:
+                    raise RuntimeError("model is unloading")
                 arrays = {t.name(): t.as_numpy() for t in request.inputs()}
                 if "cancel_request_id" in arrays:
                     self._control_cancel(arrays["cancel_request_id"])
@@ -112,6 +129,8 @@ class TritonPythonModel:
                         self._inflight.pop(rid, None)
                         if ctx.key:
                             self._by_key.pop(ctx.key, None)
+                    with ctx.lock:
+                        ctx.closed = True  # the monitor must not poll it any more
                     raise
             except (InputError, ValueError, RuntimeError) as e:
                 self.metrics.request_rejected()
@@ -143,11 +162,11 @@ class TritonPythonModel:
         if out.finished:
             self._account(ctx, out)
         if out.error is not None:
-            ctx.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=FINAL)
+            self._send(ctx, pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), True)
             return
         if out.finished and ctx.cancelled:
-            ctx.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                "request cancelled", pb_utils.TritonError.CANCELLED)), flags=FINAL)
+            self._send(ctx, pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                "request cancelled", pb_utils.TritonError.CANCELLED)), True)
             return
         if not ctx.stream:
             ctx.pending.extend(new)
@@ -159,7 +178,7 @@ class TritonPythonModel:
         # Cheap per-token cancellation check (the monitor covers requests with no output).
         if not out.finished and now - ctx.last_cancel_check >= self.cancel_poll_s / 2:
             ctx.last_cancel_check = now
-            if ctx.sender.is_cancelled():
+            if self._is_cancelled(ctx):
                 self._cancel(ctx)
         ids = new
         prefix = ctx.tail
@@ -179,8 +198,23 @@ class TritonPythonModel:
                                            np.asarray([[len(ctx.prompt)]], dtype=np.int32)))
         if ctx.ret_out:
             tensors.append(pb_utils.Tensor("num_output_tokens", np.asarray([[len(new)]], dtype=np.int32)))
-        ctx.sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
-                        flags=FINAL if out.finished else 0)
+        self._send(ctx, pb_utils.InferenceResponse(output_tensors=tensors), out.finished)
+
+    @staticmethod
+    def _send(ctx, response, final):
+        if not final:
+            ctx.sender.send(response)
+            return
+        with ctx.lock:
+            if ctx.closed:
+                return
+            ctx.closed = True
+            ctx.sender.send(response, flags=FINAL)
+
+    @staticmethod
+    def _is_cancelled(ctx):
+        with ctx.lock:
+            return not ctx.closed and ctx.sender.is_cancelled()
 
     def _account(self, ctx, out):
         self.metrics.request_finished(str(out.finish_reason) if out.finish_reason is not None else "error",
@@ -203,22 +237,48 @@ class TritonPythonModel:
 
     # ---- monitor: cancellation polling + stats ------------------------------------------
     def _monitor_main(self):
-        next_stats = 0.0
+        next_stats = next_ready = 0.0
         while not self._stop.wait(self.cancel_poll_s):
             now = time.monotonic()
+            if now >= next_ready:
+                next_ready = now + 0.5
+                self._watch_readiness()
             with self._lock:
                 todo = [c for c in self._inflight.values()
                         if not c.cancelled and now - c.last_cancel_check >= self.cancel_poll_s]
             for ctx in todo:
                 ctx.last_cancel_check = now
                 try:
-                    if ctx.sender.is_cancelled():
+                    if self._is_cancelled(ctx):
                         self._cancel(ctx)
-                except Exception:  # noqa: BLE001 - a finished request's sender may be gone
+                except Exception:  # noqa: BLE001
                     pass
             if now >= next_stats:
                 next_stats = now + self.stats_interval_s
                 self._export_stats()
+
+    def _watch_readiness(self):
+        # Over the server's own HTTP health API (TRITON_HTTP_PORT, exported by our launcher):
+        # pb_utils.is_model_ready() from this thread races execute's IPC and can abort
+        # tritonserver 2.51 (boost::interprocess::lock_exception).
+        if self._ready_url is None:
+            return
+        try:
+            with urllib.request.urlopen(self._ready_url, timeout=2) as r:
+                ready = r.status == 200
+        except urllib.error.HTTPError:
+            ready = False
+        except Exception:  # noqa: BLE001 - server busy or going down: decide next time
+            return
+        if ready:
+            self._seen_ready = True
+        elif self._seen_ready and not self._unloading:
+            self._unloading = True
+            with self._lock:
+                todo = list(self._inflight.values())
+            self.logger.log_info(f"[llm] unload requested: aborting {len(todo)} in-flight request(s)")
+            for ctx in todo:  # each ends with finish_reason "abort" and FINAL
+                self.engine.abort(ctx.rid)
 
     def _export_stats(self):
         try:
@@ -239,8 +299,8 @@ class TritonPythonModel:
                 leftover, self._inflight = list(self._inflight.values()), {}
             for ctx in leftover:  # anything the engine never answered
                 try:
-                    ctx.sender.send(pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError("model is unloading")), flags=FINAL)
+                    self._send(ctx, pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError("model is unloading")), True)
                 except Exception:  # noqa: BLE001
                     pass
             self.metrics.close()

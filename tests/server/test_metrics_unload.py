@@ -1,0 +1,113 @@
+"""Exact metrics; unload with streams in flight; restricted APIs."""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from .conftest import ACCESS_KEY, start_server
+from .util import StreamClient, http_post
+
+
+def wait_for(pred, timeout=10.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+
+
+def test_metrics_are_exact(server):
+    def idle():
+        return all(server.metric(n) == 0 for n in ("llm_num_requests_running", "llm_num_requests_waiting",
+                                                  "llm_kv_blocks_used"))
+    assert wait_for(idle, 15)
+    names = ["llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
+             "llm_time_per_output_token_seconds_count", "llm_sync_steps_total", "llm_async_steps_total",
+             "llm_requests_rejected_total"]
+    before = {n: server.metric(n) for n in names}
+    length0 = server.metric("llm_requests_finished_total", reason="length")
+    prompts = [[1 + i] * (3 + i) for i in range(5)]           # 3..7 tokens: 25 in all
+    max_tokens = [2, 3, 4, 5, 6]                              # 20 in all
+    sc = StreamClient(server.grpc_url)
+    try:
+        got = [sc.send("llm", {"input_ids": np.array([p], dtype=np.int64), "max_tokens": m, "ignore_eos": True,
+                               "temperature": 0.0, "stream": True, "exclude_input_in_output": True}, f"m{i}")
+               for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        for c in got:
+            assert c.done.wait(60)
+    finally:
+        sc.close()
+    assert [len(sum(c.ids(), [])) for c in got] == max_tokens
+    status, _ = http_post(server.http_url, "/v2/models/llm/generate", {"input_ids": [1], "max_tokens": 0})
+    assert status == 400
+    assert wait_for(idle, 10)
+    time.sleep(0.5)  # one stats export after the last step
+    d = {n: server.metric(n) - before[n] for n in names}
+    assert d["llm_prompt_tokens_total"] == 25
+    assert d["llm_generation_tokens_total"] == 20
+    assert d["llm_time_to_first_token_seconds_count"] == 5
+    assert d["llm_time_per_output_token_seconds_count"] == 5
+    assert d["llm_requests_rejected_total"] == 1
+    assert server.metric("llm_requests_finished_total", reason="length") - length0 == 5
+    # every engine step is counted as either async (handoff engaged) or sync; on CPU with
+    # async_token_handoff=auto the engine runs synchronously
+    steps = d["llm_sync_steps_total"] + d["llm_async_steps_total"]
+    assert steps >= max(max_tokens)
+    assert d["llm_async_steps_total"] == 0
+    text = server.metrics_text()
+    for fam in ("llm_gpu_idle_gap_seconds", "llm_kv_blocks_total", "llm_engine_healthy"):
+        assert fam in text
+    assert server.metric("llm_engine_healthy") == 1
+    assert server.metric("llm_kv_blocks_total") > 0
+
+
+def test_restricted_apis_need_the_key(server):
+    status, text = http_post(server.http_url, "/v2/repository/index", {})
+    assert status != 200 and "triton-access-key" in text
+    status, text = http_post(server.http_url, "/v2/repository/index", {}, headers={"triton-access-key": ACCESS_KEY})
+    assert status == 200 and '"llm"' in text
+    # model control is off: even with the key, no remote load/unload
+    status, text = http_post(server.http_url, "/v2/repository/models/llm/unload", {},
+                             headers={"triton-access-key": ACCESS_KEY})
+    assert status != 200
+
+
+def test_unload_with_streams_in_flight(tmp_path):
+    srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), wait_model="llm")
+    try:
+        sc = StreamClient(srv.grpc_url)
+        got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int64), "max_tokens": 1900,
+                               "ignore_eos": True, "temperature": 0.0, "stream": True,
+                               "exclude_input_in_output": True}, f"u{i}") for i in range(4)]
+        assert wait_for(lambda: all(len(c.responses) >= 2 for c in got), 60, 0.01)
+        status, text = http_post(srv.http_url, "/v2/repository/models/llm/unload", {})
+        assert status != 200  # restricted without the key
+        t0 = time.monotonic()
+        status, text = http_post(srv.http_url, "/v2/repository/models/llm/unload", {},
+                                 headers={"triton-access-key": ACCESS_KEY}, timeout=60)
+        assert status == 200, text
+        for c in got:  # every stream ends, promptly, with exactly one FINAL
+            assert c.done.wait(30), "stream left hanging by unload"
+        time.sleep(0.1)
+        for c in got:
+            assert c.finals == 1
+            assert len(sum(c.ids(), [])) < 1900
+        assert time.monotonic() - t0 < 30
+        assert wait_for(lambda: urllib_status(f"http://{srv.http_url}/v2/models/llm/ready") != 200, 30)
+        sc.close()
+    finally:
+        srv.stop()
+
+
+def urllib_status(url):
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except Exception:  # noqa: BLE001
+        return -1
