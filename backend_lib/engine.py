@@ -149,6 +149,13 @@ class LLMEngine:
                  ) -> list[CompletionOutput]:
         prompts = [list(p) for p in prompts]
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
+        # Validate everything before adding anything: a bad prompt must not leave the ones
+        # before it running in the engine with nobody collecting their outputs.
+        for p, sp in zip(prompts, plist):
+            validate_prompt(p, self.max_model_len, self.vocab_size)
+            sp.validate(self.max_model_len, self.vocab_size, self.config.max_stop_token_ids)
         base = f"gen-{os.getpid()}-{id(prompts)}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         for rid, p, sp in zip(ids, prompts, plist):

@@ -12,6 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from backend_lib import EngineConfig, LLMEngine, SamplingParams
+from backend_lib.layers.attention import AttentionMetadata
 
 EOS = 2          # tiny models' </s> (scripts/make_model.py)
 LOW_ID = 4       # first non-special id: random prompts use [LOW_ID, vocab)
@@ -62,6 +63,46 @@ def hf_greedy(path, prompt: Sequence[int], max_new: int, stop_at_eos: bool = Fal
               min_new: int = 0) -> list[int]:
     """HF `generate(do_sample=False)` for one unpadded prompt (cached)."""
     return list(_hf_generate_cached(str(path), tuple(prompt), max_new, stop_at_eos, min_new))
+
+
+# ---- model forward with our paged KV (prefill logits) ----------------------------------------
+
+def forward_logits(eng, seqs, starts=None):
+    """Run our model on `seqs` (each [token ids], continuing at `starts[i]` with the KV of the
+    earlier positions already in the cache) in ONE varlen batch; returns per-sequence logits of
+    every new position. Uses the engine's model and KV cache with a block table built here."""
+    runner = eng.runner
+    bs = runner.block_size
+    starts = starts or [0] * len(seqs)
+    ids, pos, slots, seq_lens, q_lens, tables = [], [], [], [], [], []
+    next_block = 1  # block 0 is the null block
+    width = runner.max_blocks_per_seq
+    for s, st in zip(seqs, starts):
+        total = st + len(s)
+        nblk = (total + bs - 1) // bs
+        blocks = list(range(next_block, next_block + nblk))
+        next_block += nblk
+        tables.append(blocks + [0] * (width - nblk))
+        ids.extend(s)
+        pos.extend(range(st, total))
+        slots.extend(blocks[p // bs] * bs + p % bs for p in range(st, total))
+        seq_lens.append(total)
+        q_lens.append(len(s))
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
+                             torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(cu, dtype=torch.int32),
+                             max(q_lens), all(q == 1 for q in q_lens), seq_lens, q_lens)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(ids), torch.tensor(pos), runner.kv_caches, meta)
+        logits = runner.model.compute_logits(hidden)
+    return list(logits.split(q_lens))
+
+
+def hf_logits(path, prompt):
+    with torch.inference_mode():
+        return hf_model(path)(torch.tensor([prompt])).logits[0].float()
 
 
 # ---- a step driver with staggered arrivals and aborts -----------------------------------------

@@ -149,3 +149,18 @@ def test_no_chunked_prefill_requires_budget_for_max_model_len(path):
     eng = make_engine(path, enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=256)
     outs = eng.generate([[5] * 200, [6] * 30], greedy(4, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [4, 4]
+
+
+def test_generate_rejects_bad_batches_without_leaving_requests_behind(eng):
+    with pytest.raises(ValueError, match="params"):
+        eng.generate([GOOD, GOOD], [greedy(3), greedy(3), greedy(3)])
+    with pytest.raises(ValueError, match="params"):
+        eng.generate([GOOD, GOOD, GOOD], [greedy(3), greedy(3)])
+    with pytest.raises(ValueError, match="input_ids"):
+        eng.generate([GOOD, [5, 6], [5, 99999]], greedy(3))
+    with pytest.raises(ValueError, match="top_p"):
+        eng.generate([GOOD, [5, 6]], [greedy(3), SamplingParams(max_tokens=3, top_p=2.0)])
+    assert not eng.has_unfinished() and not eng.scheduler.requests
+    assert eng.stats().kv_blocks_used == 0
+    outs = eng.generate([GOOD, [5, 6]], greedy(3, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [3, 3]

@@ -5,8 +5,7 @@ import random
 import pytest
 import torch
 
-from backend_lib.layers.attention import AttentionMetadata
-from engine_helpers import EOS, greedy, hf_greedy, hf_model, make_engine, random_prompt
+from engine_helpers import EOS, forward_logits, greedy, hf_greedy, hf_logits, make_engine, random_prompt
 
 # Mixed lengths from 1 to a few hundred tokens (fixed seed: the same prompts every run).
 PROMPT_LENS = (1, 3, 17, 64, 150, 300)
@@ -106,51 +105,13 @@ def test_min_tokens_like_hf_min_new_tokens(model_path):
 
 # ---- prefill logits ---------------------------------------------------------------------------
 
-def _forward_logits(eng, seqs, starts=None):
-    """Run our model on `seqs` (each [token ids], continuing at `starts[i]` with the KV of the
-    earlier positions already in the cache) in ONE varlen batch; returns per-sequence logits of
-    every new position. Uses the engine's model and KV cache with a block table built here."""
-    runner = eng.runner
-    bs = runner.block_size
-    starts = starts or [0] * len(seqs)
-    ids, pos, slots, seq_lens, q_lens, tables = [], [], [], [], [], []
-    next_block = 1  # block 0 is the null block
-    width = runner.max_blocks_per_seq
-    for s, st in zip(seqs, starts):
-        total = st + len(s)
-        nblk = (total + bs - 1) // bs
-        blocks = list(range(next_block, next_block + nblk))
-        next_block += nblk
-        tables.append(blocks + [0] * (width - nblk))
-        ids.extend(s)
-        pos.extend(range(st, total))
-        slots.extend(blocks[p // bs] * bs + p % bs for p in range(st, total))
-        seq_lens.append(total)
-        q_lens.append(len(s))
-    cu = [0]
-    for q in q_lens:
-        cu.append(cu[-1] + q)
-    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
-                             torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(cu, dtype=torch.int32),
-                             max(q_lens), all(q == 1 for q in q_lens), seq_lens, q_lens)
-    with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.tensor(pos), runner.kv_caches, meta)
-        logits = runner.model.compute_logits(hidden)
-    return list(logits.split(q_lens))
-
-
-def _hf_logits(path, prompt):
-    with torch.inference_mode():
-        return hf_model(path)(torch.tensor([prompt])).logits[0].float()
-
-
 def test_prefill_logits_match_hf_all_positions(model_path):
     rng = random.Random(5)
     prompts = [random_prompt(rng, n) for n in (1, 9, 40, 257)]
     eng = make_engine(model_path, block_size=16)
-    ours = _forward_logits(eng, prompts)  # one varlen batch of four sequences
+    ours = forward_logits(eng, prompts)  # one varlen batch of four sequences
     for p, lg in zip(prompts, ours):
-        ref = _hf_logits(model_path, p)
+        ref = hf_logits(model_path, p)
         assert lg.shape == ref.shape == (len(p), eng.vocab_size)
         scale = ref.abs().max().item()
         torch.testing.assert_close(lg, ref, rtol=1e-5, atol=1e-5 * max(scale, 1.0))
@@ -163,9 +124,9 @@ def test_chunked_prefill_logits_match_hf(model_path):
     rng = random.Random(6)
     p = random_prompt(rng, 100)
     eng = make_engine(model_path, block_size=8)
-    _forward_logits(eng, [p[:37]])
-    second = _forward_logits(eng, [p[37:]], starts=[37])[0]
-    ref = _hf_logits(model_path, p)[37:]
+    forward_logits(eng, [p[:37]])
+    second = forward_logits(eng, [p[37:]], starts=[37])[0]
+    ref = hf_logits(model_path, p)[37:]
     torch.testing.assert_close(second, ref, rtol=1e-5, atol=1e-5 * max(ref.abs().max().item(), 1.0))
 
 
