@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# make serve: tritonserver on model_repository/ in the foreground (Ctrl-C stops it).
+#
+#   HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002   ports (these defaults)
+#   MODEL_PATH=/path/to/checkpoint                    another local Llama/Qwen checkpoint
+#   TRITON_ACCESS_KEY=secret                          unlocks the restricted APIs
+#                                                     (model-repository, shared-memory, logging)
+#                                                     with header `triton-access-key: secret`
+#   TRITON_OPEN_RESTRICTED_APIS=1                     opt in: leave those APIs open
+#   extra tritonserver arguments after --, e.g.  scripts/serve.sh -- --log-verbose=1
+#
+# Model control is off (no remote load/unload). Without Docker this runs the tritonserver
+# bundled in the venv's nvidia-pytriton wheel; `make serve-docker` runs the NGC image instead.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${VENV:-$ROOT/.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  make setup
+fi
+if ! "$VENV/bin/python" -m triton_glue.launch check >/dev/null 2>&1; then
+  bash scripts/install_triton.sh
+fi
+if [ -z "${MODEL_PATH:-}" ] && [ ! -f models/tiny-llama/config.json ]; then
+  make model
+fi
+export PATH="$VENV/bin:$PATH"
+[ "${1:-}" = "--" ] && shift
+echo "tritonserver: HTTP ${HTTP_PORT:-8000}, gRPC ${GRPC_PORT:-8001}, metrics ${METRICS_PORT:-8002}; model ${MODEL_PATH:-models/tiny-llama}" >&2
+exec "$VENV/bin/python" -m triton_glue.launch serve -- "$@"
