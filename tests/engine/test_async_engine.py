@@ -182,3 +182,21 @@ def test_engine_death_fails_inflight_requests_and_goes_unhealthy(path):
             aeng.add_request("c", [5], greedy(3))
     finally:
         aeng.shutdown(timeout=5)
+
+
+def test_a_failing_callback_does_not_stop_other_requests(path):
+    aeng = AsyncEngine(EngineConfig(model_path=path, async_token_handoff="on", **KW))
+    try:
+        calls = []
+
+        def broken(out):
+            calls.append(out)
+            raise RuntimeError("client went away")
+
+        aeng.add_request("broken", [5, 6, 7], greedy(8, ignore_eos=True), callback=broken)
+        toks, reason = aeng.add_request("fine", [8, 9, 10], greedy(8, ignore_eos=True)).result()
+        assert len(toks) == 8 and str(reason) == "length"
+        _wait(lambda: calls and calls[-1].finished)
+        assert sum(len(o.new_token_ids) for o in calls) == 8 and aeng.is_healthy()
+    finally:
+        aeng.shutdown()

@@ -2,6 +2,7 @@
 import random
 
 import pytest
+import torch
 
 from backend_lib import EngineConfig, SamplingParams
 from backend_lib.config import engine_parameter_names
@@ -139,6 +140,9 @@ def test_engine_level_config_errors(path, tmp_path):
         make_engine(path, max_model_len=10**6)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         make_engine(path, max_model_len=512, num_kv_blocks=8)  # cannot hold one sequence
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device"):
+            make_engine(path, device="cuda")
 
 
 def test_no_chunked_prefill_requires_budget_for_max_model_len(path):
