@@ -96,14 +96,15 @@ class Request:
     effective_seed: int = 0
     num_streamed: int = 0          # output tokens already handed to the client
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    num_prompt_tokens: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
         """Tokens the host knows (prompt + confirmed outputs)."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_tokens_with_placeholders(self) -> int:
@@ -114,7 +115,7 @@ class Request:
         return len(self.output_token_ids) + self.num_output_placeholders
 
     def token_at(self, index: int) -> int:
-        p = len(self.prompt_token_ids)
+        p = self.num_prompt_tokens
         return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
 
     @property

@@ -106,9 +106,24 @@ class Scheduler:
         budget = self.token_budget
         scheduled: set[int] = set()
 
+        bs = self.blocks.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            computed = req.num_computed_tokens
+            known = req.num_prompt_tokens + len(req.output_token_ids)
+            if computed == known + req.num_output_placeholders - 1 and computed >= known \
+                    and computed < len(req.block_ids) * bs \
+                    and len(req.output_token_ids) + req.num_output_placeholders < req.sampling.max_tokens \
+                    and known + req.num_output_placeholders < self.max_model_len:
+                # Steady decode of a placeholder with KV room: the hot path, kept inline.
+                req.num_computed_tokens = computed + 1
+                req.num_output_placeholders += 1
+                out.rows.append(ScheduledRow(req, computed, 1, True, [0], True))
+                scheduled.add(id(req))
+                budget -= 1
+                i += 1
+                continue
             n = self._tokens_to_schedule(req, budget)
             if n == 0:
                 i += 1
