@@ -14,7 +14,8 @@ pytestmark = pytest.mark.gpu
 
 
 def _engine(path, **kw):
-    base = dict(model_path=path, device="cuda", dtype="float32", max_num_seqs=32, max_model_len=512)
+    base = dict(model_path=path, device="cuda", dtype="float32", max_num_seqs=32, max_model_len=512,
+                num_kv_blocks=1024)
     base.update(kw)
     return LLMEngine(EngineConfig(**base))
 
