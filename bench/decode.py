@@ -16,8 +16,9 @@ What is measured (greedy, ignore EOS, every request of a batch has the same prom
     `cache_implementation="static"` (HF then auto-compiles the decode forward unless
     --hf-no-compile); on CPU the default dynamic cache.
   - ours: add the batch, step until every request has its first token, then step to the end.
-    In async mode the first decode step is already launched when that first token is read
-    (that overlap is the point of the mode); it shifts the window by < 1 step.
+    In async mode decode step 1 is queued before the prefill's tokens are read, so it starts
+    on the device exactly when they become readable: the window holds output_len - 1 decode
+    steps in both modes (no device sync at the clock start, which would skip one).
 * each (implementation, batch) point runs once as warm-up with the same shapes first (CUDA
   graphs / torch.compile / allocator), then once measured.
 * CUDA only: GPU busy fraction = 1 - (sum of inter-step GPU idle gaps) / window, and the gap
@@ -165,8 +166,18 @@ def bench_hf(path: str, name: str, args) -> list[Row]:
         for rep in range(2):  # warm-up (compile, static cache), then measured
             st = Stamps()
             _sync(args.device)
-            with torch.inference_mode():
-                out = model.generate(ids, streamer=st, **kw)
+            try:
+                with torch.inference_mode():
+                    out = model.generate(ids, streamer=st, **kw)
+            except Exception as e:  # noqa: BLE001 - e.g. torch.compile unavailable: measure eager
+                if kw.get("disable_compile") or args.device != "cuda":
+                    raise
+                print(f"  hf generate: auto-compiled decode failed ({type(e).__name__}: {e}); "
+                      f"falling back to eager", file=sys.stderr, flush=True)
+                kw["disable_compile"] = True
+                st = Stamps()
+                with torch.inference_mode():
+                    out = model.generate(ids, streamer=st, **kw)
             _sync(args.device)
             n_new = out.shape[1] - ids.shape[1]
             assert n_new == args.output_len, (n_new, args.output_len)
@@ -177,7 +188,7 @@ def bench_hf(path: str, name: str, args) -> list[Row]:
         dec = b * (args.output_len - 1)
         rows.append(Row(name, b, "hf generate", window / (args.output_len - 1) * 1e3, dec / window, dec, window,
                         extra={"static_cache": args.device == "cuda",
-                               "compile": args.device == "cuda" and not args.hf_no_compile}))
+                               "compile": args.device == "cuda" and not kw.get("disable_compile", False)}))
         _progress(rows[-1])
     del model
     _free(args.device)
@@ -217,7 +228,9 @@ def bench_engine(path: str, name: str, mode: str, args) -> list[Row]:
                 for o in eng.step():
                     got[o.request_id] += len(o.new_token_ids)
             assert all(v == 1 for v in got.values()), "prefill must finish in one step"
-            _sync(args.device)
+            # No device sync here: in async mode decode step 1 is already queued behind the
+            # prefill and started when the prefill's tokens were ready, i.e. when we read them;
+            # waiting for it would move the clock start one step late.
             s0 = eng.stats()  # also drains the idle-gap samples of the prefill
             t0 = time.perf_counter()
             while eng.has_unfinished():
