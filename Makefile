@@ -8,10 +8,11 @@ MODELS_DIR := models
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup model test bench bench-gpu serve perf clean distclean
+.PHONY: help setup model test bench bench-gpu serve serve-docker perf clean distclean
 
 help:
 	@echo "make serve      start tritonserver on the model repository (scripts/serve.sh)"
+	@echo "make serve-docker  the same in the NGC tritonserver image (docker/Dockerfile)"
 	@echo "make test       unit + engine + server tests on CPU (gpu-marked tests skipped)"
 	@echo "make setup      create/update .venv (idempotent)"
 	@echo "make model      build the tiny test models under $(MODELS_DIR)/ (idempotent)"
@@ -49,6 +50,17 @@ bench-gpu: setup model
 
 serve: setup model
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/serve.sh
+
+# The NGC image (docker/Dockerfile) running the same repository; models/ is mounted.
+DOCKER_IMAGE ?= llm-triton:latest
+DOCKER_GPUS  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo --gpus all)
+serve-docker: model
+	DOCKER_BUILDKIT=1 docker build -f docker/Dockerfile -t $(DOCKER_IMAGE) .
+	docker run --rm -it $(DOCKER_GPUS) --shm-size=1g \
+		-p $${HTTP_PORT:-8000}:8000 -p $${GRPC_PORT:-8001}:8001 -p $${METRICS_PORT:-8002}:8002 \
+		-v "$(CURDIR)/models:/opt/project/models:ro" \
+		-e MODEL_PATH -e TRITON_ACCESS_KEY -e TRITON_OPEN_RESTRICTED_APIS \
+		$(DOCKER_IMAGE)
 
 perf: setup model
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/perf.sh
