@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import fused_ops
-from ..layers.skinny_gemm import linear as skinny_linear
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
 from ..layers.rotary import RotaryEmbedding
 
@@ -75,12 +74,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def _proj(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """layer(x); on the fused CUDA path through the skinny-GEMM dispatcher (Triton for
-    <= 16 rows, else F.linear)."""
-    return skinny_linear(x, layer.weight, layer.bias) if fused else layer(x)
-
-
 class Attention(nn.Module):
     def __init__(self, s: ModelShape, layer_idx: int):
         super().__init__()
@@ -98,7 +91,7 @@ class Attention(nn.Module):
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
                 fused: bool = False):
         s = self.s
-        q, k, v = _proj(self.qkv_proj, x, fused).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
@@ -113,7 +106,7 @@ class Attention(nn.Module):
             q, k = rotary(positions, q, k)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return _proj(self.o_proj, out.reshape(-1, self.q_size), fused)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -124,7 +117,7 @@ class MLP(nn.Module):
 
     def forward(self, x, fused: bool = False):
         if fused:
-            return _proj(self.down_proj, fused_ops.silu_and_mul(_proj(self.gate_up_proj, x, True)), True)
+            return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
