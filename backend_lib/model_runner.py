@@ -83,6 +83,7 @@ class ModelRunner:
         self.staging = HostStaging(dev, 8 * (4 * cfg.max_num_batched_tokens + 8 * n + 4096))
         self.decision = decision
         self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self._last_decode: Optional[tuple] = None  # (bucket, fast, slots) of the last graph step
         self.graph_buckets: tuple[int, ...] = ()
         if self.device.type == "cuda" and cfg.enable_cuda_graph and not self.is_pipeline_stage:
             limit = min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)
@@ -164,27 +165,42 @@ class ModelRunner:
         """Launch one step; returns at once (on CUDA) with the handle of its sampled tokens."""
         self._update_tables(sched, eos_ids)
         rows = sched.rows
-        slots = [r.request.slot for r in rows]
-        greedy = all(self._slot_greedy[s] for s in slots)
-        masks = any(self._slot_masks[s] for s in slots)
+        greedy, masks = self.step_flags(sched)
         start = self.handoff.begin_step()
-        if sched.is_decode_only:
-            meta_host = [[r.host_token_ids[0] for r in rows],
-                         [r.request.slot if r.first_from_relay else -1 for r in rows],
-                         [r.start_pos for r in rows], slots, [1] * len(rows)]
-            bucket = self._bucket(len(rows))
-            if bucket is not None:
-                g = self.graphs[(bucket, greedy and not masks)]
-                pad = bucket - len(rows)
-                meta = self._to_device([row + [fill] * pad for row, fill in zip(meta_host, (0, -1, 0, -1, 0))])
-                g.meta.copy_(meta)
-                g.graph.replay()
-                return self.handoff.publish(g.out, len(rows), start, keepalive=(meta,))
-            meta = self._to_device(meta_host)
-            sampled = self._decode_program(meta, greedy, masks)
-            return self.handoff.publish(sampled, len(rows), start, keepalive=(meta,))
-        sampled, keep = self._mixed_step(sched, greedy, masks)
-        return self.handoff.publish(sampled, len(rows), start, keepalive=keep)
+        if not sched.is_decode_only:
+            self._last_decode = None
+            sampled, keep = self._mixed_step(sched, greedy, masks)
+            return self.handoff.publish(sampled, len(rows), start, keepalive=keep)
+        slots = [r.request.slot for r in rows]
+        bucket = self._bucket(len(rows))
+        if bucket is None:  # larger than every graph bucket: the same program, eagerly
+            self._last_decode = None
+            meta = self._to_device(self._decode_meta(rows, slots, 0))
+            return self.handoff.publish(self._decode_program(meta, greedy, masks), len(rows), start,
+                                        keepalive=(meta,))
+        fast = greedy and not masks
+        g = self.graphs[(bucket, fast)]
+        key = (bucket, fast, tuple(slots))
+        keep: tuple = ()
+        if key == self._last_decode and all(r.first_from_relay for r in rows):
+            # Same requests as the previous step, every input id on the device already: the
+            # persistent metadata only advances positions, on the device (nothing uploaded).
+            g.meta[_POS] += (g.meta[_SLOT] >= 0).long()
+        else:
+            meta = self._to_device(self._decode_meta(rows, slots, bucket - len(rows)))
+            g.meta.copy_(meta)
+            keep = (meta,)
+        self._last_decode = key
+        g.graph.replay()
+        return self.handoff.publish(g.out, len(rows), start, keepalive=keep)
+
+    @staticmethod
+    def _decode_meta(rows, slots: list[int], pad: int) -> list[list[int]]:
+        """[ids, relay source slot (-1: host id), position, slot, samples], padded rows last."""
+        meta = [[r.host_token_ids[0] for r in rows],
+                [r.request.slot if r.first_from_relay else -1 for r in rows],
+                [r.start_pos for r in rows], slots, [1] * len(rows)]
+        return [row + [fill] * pad for row, fill in zip(meta, (0, -1, 0, -1, 0))]
 
     def _bucket(self, n: int) -> Optional[int]:
         for b in self.graph_buckets:
