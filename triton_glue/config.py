@@ -27,6 +27,8 @@ def server_http_url() -> Optional[str]:
 GLUE_PARAMETERS = {
     "cancel_poll_ms": "20",        # how often in-flight requests are polled for cancellation
     "stats_interval_ms": "200",    # how often engine stats are exported to gauges
+    # test hook: > 0 makes the engine thread fail after that many steps (engine-death tests)
+    "test_fault_after_steps": "0",
 }
 
 

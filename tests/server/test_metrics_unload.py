@@ -7,7 +7,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from .conftest import ACCESS_KEY, start_server
+from .conftest import ACCESS_KEY, ROOT, start_server
 from .util import StreamClient, http_post
 
 
@@ -111,3 +111,35 @@ def urllib_status(url):
         return e.code
     except Exception:  # noqa: BLE001
         return -1
+
+
+def test_engine_death_fails_requests_fast(tmp_path):
+    """The engine thread dies (test hook): in-flight requests get an error with FINAL, new
+    requests fail fast instead of hanging, and the health gauge drops to 0."""
+    import shutil
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "model_repository" / "llm", repo / "llm")
+    cfg = repo / "llm" / "config.pbtxt"
+    cfg.write_text(cfg.read_text() + '\nparameters { key: "test_fault_after_steps" value: { string_value: "40" } }\n')
+    srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), model_repository=repo,
+                       wait_model="llm")
+    try:
+        sc = StreamClient(srv.grpc_url)
+        got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int64), "max_tokens": 1000,
+                               "ignore_eos": True, "temperature": 0.0, "stream": True,
+                               "exclude_input_in_output": True}, f"d{i}") for i in range(2)]
+        for c in got:
+            assert c.done.wait(60), "in-flight request left hanging by engine death"
+        time.sleep(0.1)
+        for c in got:
+            assert c.finals == 1 and len(c.errors) == 1 and "engine failed" in c.errors[0], c.errors
+            assert 0 < len(sum(c.ids(), [])) < 1000
+        t0 = time.monotonic()
+        status, text = http_post(srv.http_url, "/v2/models/llm/generate", {"input_ids": [1, 2], "max_tokens": 2},
+                                 timeout=10)
+        assert status == 400 and "not healthy" in text, text
+        assert time.monotonic() - t0 < 5
+        assert wait_for(lambda: srv.metric("llm_engine_healthy") == 0, 5)
+        sc.close()
+    finally:
+        srv.stop()

@@ -84,6 +84,9 @@ class TritonPythonModel:
         self.engine = AsyncEngine(cfg)  # start-up handshake: re-raises engine errors
         self.logger.log_info(f"[llm] engine ready (vocab={self.engine.vocab_size}, "
                              f"max_model_len={self.engine.max_model_len})")
+        fault_after = int(glue_config.glue_parameter(self.model_config, "test_fault_after_steps"))
+        if fault_after > 0:
+            self._inject_engine_fault(fault_after)
         self._ids = itertools.count()
         self._inflight = {}
         self._by_key = {}  # "bls-..." Triton request id -> _Inflight (upstream cancel by BLS)
@@ -98,6 +101,19 @@ class TritonPythonModel:
         self._ready_url = f"{base}/v2/models/{self.name}/versions/{self.version}/ready" if base else None
         self._monitor = threading.Thread(target=self._monitor_main, name="llm-monitor", daemon=True)
         self._monitor.start()
+
+    def _inject_engine_fault(self, after_steps):
+        """Test hook (parameter test_fault_after_steps): the engine thread dies after N steps."""
+        eng = self.engine.engine
+        real_step, count = eng.step, itertools.count(1)
+
+        def failing_step():
+            if next(count) > after_steps:
+                raise RuntimeError(f"injected engine fault after {after_steps} steps")
+            return real_step()
+
+        eng.step = failing_step
+        self.logger.log_warn(f"[llm] test hook: the engine will fail after {after_steps} steps")
 
     # ---- execute: parse + enqueue only --------------------------------------------------
     def execute(self, requests):
