@@ -26,13 +26,22 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
+# Sampling programs captured per bucket, as (all_greedy, use_masks): argmax only; temperature
+# sampling; the full program (bans, min_tokens, top-k/top-p; greedy rows still take argmax).
+_GRAPH_VARIANTS = ((True, False), (False, False), (False, True))
+
+
+def _graph_variant(greedy: bool, masks: bool) -> tuple[bool, bool]:
+    return (False, True) if masks else (greedy, False)
+
+
 # Rows of the packed per-step decode metadata ([5, B] int64).
 _ID, _RELAY, _POS, _SLOT, _SAMPLES = range(5)
 
 
 @dataclass
 class _Graph:
-    graph: "torch.cuda.CUDAGraph"
+    graph: "torch.cuda.CUDAGraph"  # keyed by (bucket, (all_greedy, use_masks))
     meta: torch.Tensor      # static input [5, B]
     out: torch.Tensor       # static output [B] sampled ids
 
@@ -83,7 +92,7 @@ class ModelRunner:
         self.staging = HostStaging(dev, 8 * (4 * cfg.max_num_batched_tokens + 8 * n + 4096))
         self.decision = decision
         self.graphs: dict[tuple[int, bool], _Graph] = {}
-        self._last_decode: Optional[tuple] = None  # (bucket, fast, slots) of the last graph step
+        self._last_decode: Optional[tuple] = None  # (bucket, variant, slots) of the last graph step
         self.graph_buckets: tuple[int, ...] = ()
         if self.device.type == "cuda" and cfg.enable_cuda_graph and not self.is_pipeline_stage:
             limit = min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)
@@ -125,7 +134,8 @@ class ModelRunner:
                             + (list(sp.bad_token_ids) + [-1] * k)[:k] + (stops + [-1] * w)[:w])
                 floats.append([float(sp.temperature), float(sp.top_p)])
                 self._slot_greedy[slot] = sp.temperature == 0.0
-                self._slot_masks[slot] = bool(sp.bad_token_ids) or sp.min_tokens > 0
+                self._slot_masks[slot] = (bool(sp.bad_token_ids) or sp.min_tokens > 0 or sp.top_k > 0
+                                          or sp.top_p < 1.0)
         for req, first in sched.grown:
             ids = req.block_ids[first:]
             rows.extend([req.slot] * len(ids))
@@ -178,9 +188,9 @@ class ModelRunner:
             meta = self._to_device(self._decode_meta(rows, slots, 0))
             return self.handoff.publish(self._decode_program(meta, greedy, masks), len(rows), start,
                                         keepalive=(meta,))
-        fast = greedy and not masks
-        g = self.graphs[(bucket, fast)]
-        key = (bucket, fast, tuple(slots))
+        variant = _graph_variant(greedy, masks)
+        g = self.graphs[(bucket, variant)]
+        key = (bucket, variant, tuple(slots))
         keep: tuple = ()
         if key == self._last_decode and all(r.first_from_relay for r in rows):
             # Same requests as the previous step, every input id on the device already: the
@@ -297,17 +307,17 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         pool = None
         for b in sorted(self.graph_buckets, reverse=True):
-            for fast in (True, False):
+            for greedy, masks in _GRAPH_VARIANTS:
                 meta = torch.zeros(5, b, dtype=torch.int64, device=self.device)
                 meta[_SLOT].fill_(-1)
                 for _ in range(2):  # warm up: compiles Triton kernels, settles allocations
-                    self._decode_program(meta, fast, not fast)
+                    self._decode_program(meta, greedy, masks)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    out = self._decode_program(meta, fast, not fast)
+                    out = self._decode_program(meta, greedy, masks)
                 pool = g.pool()
-                self.graphs[(b, fast)] = _Graph(g, meta, out)
+                self.graphs[(b, (greedy, masks))] = _Graph(g, meta, out)
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs for buckets %s", len(self.graphs), self.graph_buckets)
 

@@ -74,7 +74,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 def sample(logits: torch.Tensor, st: SamplingTensors, all_greedy: bool, use_masks: bool) -> torch.Tensor:
     """logits [S, V] float32 -> token ids [S] int64. `all_greedy`/`use_masks` are host flags
-    known at scheduling time; they pick a cheaper program, never change the result."""
+    known at scheduling time; they pick a cheaper program, never change the result.
+    `use_masks` covers every per-row filter: banned ids, min_tokens, top-k and top-p (the
+    vocabulary sort is skipped when no row of the step needs it)."""
     if use_masks:
         logits = _mask_ids(logits, st.banned_ids)
         logits = _mask_ids(logits, st.min_stop_ids, st.min_tokens_left > 0)
@@ -82,7 +84,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors, all_greedy: bool, use_mask
     if all_greedy:
         return greedy
     temp = st.temperature.clamp(min=1e-5).unsqueeze(1)
-    scaled = _top_k_top_p(logits / temp, st.top_k, st.top_p)
+    scaled = logits / temp
+    if use_masks:
+        scaled = _top_k_top_p(scaled, st.top_k, st.top_p)
     probs = scaled.softmax(-1)
     noise = (-torch.log(uniform_noise(st.seed, st.position, logits.shape[1]))).clamp(min=1e-12)
     sampled = (probs / noise).argmax(dim=-1)

@@ -36,7 +36,9 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    attention_bias: bool
+    attention_bias: bool          # q/k/v projections carry a bias
+    o_proj_bias: bool             # Llama's attention_bias also covers o_proj (Qwen2's does not)
+    mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
@@ -54,6 +56,8 @@ class ModelShape:
             num_heads=heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim, rms_norm_eps=cfg.rms_norm_eps,
             attention_bias=bool(getattr(cfg, "attention_bias", False)) or mt == "qwen2",
+            o_proj_bias=bool(getattr(cfg, "attention_bias", False)) and mt != "qwen2",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=(mt == "qwen3"),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=cfg.max_position_embeddings,
@@ -82,7 +86,7 @@ class Attention(nn.Module):
         self.kv_size = s.num_kv_heads * s.head_dim
         # q, k and v fused into one matmul (weights concatenated at load time).
         self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_proj_bias)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
@@ -112,8 +116,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
-        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, x, fused: bool = False):
         if fused:

@@ -88,7 +88,10 @@ def _load_weights(model: DecoderModel, path: str, device, dtype) -> set[str]:
         "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", (q + kv, q + 2 * kv)),
         "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", (0, inter)),
         "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", (inter, 2 * inter)),
+        "mlp.gate_proj.bias": ("mlp.gate_up_proj.bias", (0, inter)),
+        "mlp.up_proj.bias": ("mlp.gate_up_proj.bias", (inter, 2 * inter)),
     }
+    unused: list[str] = []
     for file in safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
@@ -101,6 +104,8 @@ def _load_weights(model: DecoderModel, path: str, device, dtype) -> set[str]:
                     target, rows = fused.get(rest, (rest, None))
                     if prefix + target in params:
                         put(prefix + target, f.get_tensor(key), rows)
+                    elif not rest.endswith("rotary_emb.inv_freq"):
+                        unused.append(key)
                 elif key == "model.embed_tokens.weight":
                     if model.is_first:
                         put("embed_tokens.weight", f.get_tensor(key))
@@ -108,8 +113,13 @@ def _load_weights(model: DecoderModel, path: str, device, dtype) -> set[str]:
                         put("lm_head.weight", f.get_tensor(key))
                 elif key == "model.norm.weight" and model.is_last:
                     put("norm.weight", f.get_tensor(key))
-                elif key == "lm_head.weight" and model.is_last and not s.tie_word_embeddings:
-                    put("lm_head.weight", f.get_tensor(key))
+                elif key == "lm_head.weight":
+                    if model.is_last and not s.tie_word_embeddings:
+                        put("lm_head.weight", f.get_tensor(key))
+                elif not (key == "model.norm.weight" or key.endswith("rotary_emb.inv_freq")):
+                    unused.append(key)
+    if unused:  # a weight we would silently ignore means the model computes something else
+        raise ValueError(f"checkpoint {path!r} has weights this model does not use: {unused[:8]}")
     # A fused tensor counts as loaded only when every part of it was found.
     for name, count in parts.items():
         need = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1

@@ -31,17 +31,8 @@ def _config(name):
     }[name]()
 
 
-# Llama's attention_bias also puts a bias on o_proj, and mlp_bias on gate/up/down; our decoder
-# has neither (models/llama.py: o_proj / MLP built with bias=False) and the loader silently
-# skips checkpoint tensors it has no parameter for (models/loader.py: `if prefix + target in
-# params`), so these load "fine" and compute wrong logits.
-KNOWN_BAD = {
-    "llama-attention_bias": "o_proj.bias of Llama attention_bias=True is silently dropped by the loader",
-    "llama-mlp_bias": "gate/up/down biases of Llama mlp_bias=True are silently dropped by the loader",
-}
-VARIANTS = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BAD[n])) if n in KNOWN_BAD else n
-            for n in ("qwen2", "qwen2-tied", "qwen3-untied-mha", "llama-head_dim-32", "llama-tied",
-                      "llama-rope-linear", "llama-rope-yarn", "mistral", "llama-attention_bias", "llama-mlp_bias")]
+VARIANTS = ["qwen2", "qwen2-tied", "qwen3-untied-mha", "llama-head_dim-32", "llama-tied",
+            "llama-rope-linear", "llama-rope-yarn", "mistral", "llama-attention_bias", "llama-mlp_bias"]
 
 
 def _write(name, out_dir, seed=0):

@@ -192,7 +192,7 @@ def test_sampler_draws_from_the_softmax_distribution():
             top_p=torch.full((n,), top_p), seed=torch.arange(n, dtype=torch.int64) * 7919 + 11,
             position=torch.full((n,), 17, dtype=torch.int64), banned_ids=torch.full((n, 1), -1, dtype=torch.int64),
             min_stop_ids=torch.full((n, 1), -1, dtype=torch.int64), min_tokens_left=torch.zeros(n, dtype=torch.int64))
-        toks = sample(logits, st, all_greedy=False, use_masks=False)
+        toks = sample(logits, st, all_greedy=False, use_masks=top_k > 0 or top_p < 1.0)
         probs = (base / temp).softmax(-1)
         if allowed is None:  # top-p: the smallest prefix (by probability) reaching top_p
             cum = probs.cumsum(-1) - probs
