@@ -62,6 +62,12 @@ class _Abort:
 _STOP = object()
 
 
+@dataclass
+class _FailAll:
+    reason: FinishReason
+    error: Optional[str]
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0):
         self.config = config
@@ -100,6 +106,10 @@ class AsyncEngine:
             if request_id in self._sinks:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._sinks[request_id] = (stream, callback)
+        if not self.is_healthy():  # died while we registered: _FailAll may have run already
+            with self._lock:
+                self._sinks.pop(request_id, None)
+            raise RuntimeError(f"engine is not healthy: {self.error!r}")
         self._cmds.put(_Add(request_id, ids, params))
         return stream
 
@@ -149,7 +159,9 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - engine death: fail every request, go unhealthy
             logger.exception("engine thread died")
             self.error = e
-            self._fail_all(FinishReason.ERROR, f"engine failed: {e!r}")
+            # Through the dispatcher, after the outputs already queued: callbacks stay on one
+            # thread and the final error never overtakes a request's earlier tokens.
+            self._outs.put(_FailAll(FinishReason.ERROR, f"engine failed: {e!r}"))
         finally:
             try:
                 eng.close()  # pipeline stages: stop (or kill) the worker processes
@@ -188,6 +200,9 @@ class AsyncEngine:
             item = self._outs.get()
             if item is _STOP:
                 return
+            if isinstance(item, _FailAll):
+                self._fail_all(item.reason, item.error)
+                continue
             for out in item:
                 self._deliver(out)
 
