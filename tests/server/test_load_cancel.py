@@ -154,3 +154,29 @@ def test_bls_concurrent_streams(server, tokenizer, reference_engine):
         sc.close()
     for c, ref in zip(got, refs):
         assert not c.errors and c.finals == 1 and "".join(c.texts()) == ref
+
+
+@pytest.mark.parametrize("route", ["llm", "vllm_model"])
+def test_http_client_disconnect_cancels(server, route):
+    """Closing the HTTP generate_stream connection cancels the request in the engine."""
+    import socket
+    assert wait_for(lambda: idle(server))
+    aborted0 = server.metric("llm_requests_finished_total", reason="abort")
+    if route == "llm":
+        body = {"input_ids": [1, 2, 3], "max_tokens": 1900, "ignore_eos": True, "stream": True,
+                "exclude_input_in_output": True}
+    else:
+        body = {"text_input": "hi", "stream": True,
+                "sampling_parameters": json.dumps({"max_tokens": 1900, "ignore_eos": "true"})}
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", server.http_port), timeout=60)
+    s.sendall(f"POST /v2/models/{route}/generate_stream HTTP/1.1\r\nHost: test\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    buf = b""
+    while buf.count(b"data:") < 3:
+        chunk = s.recv(4096)
+        assert chunk, buf
+        buf += chunk
+    s.close()
+    assert wait_for(lambda: server.metric("llm_requests_finished_total", reason="abort") == aborted0 + 1, 10)
+    assert wait_for(lambda: idle(server), 5)

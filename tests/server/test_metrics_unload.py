@@ -114,13 +114,16 @@ def urllib_status(url):
 
 
 def test_engine_death_fails_requests_fast(tmp_path):
-    """The engine thread dies (test hook): in-flight requests get an error with FINAL, new
-    requests fail fast instead of hanging, and the health gauge drops to 0."""
+    """The engine thread dies (test hook), here with async_token_handoff=on: in-flight requests
+    get an error with FINAL, new requests fail fast instead of hanging, the health gauge drops
+    to 0; the async steps it ran were exported."""
     import shutil
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "model_repository" / "llm", repo / "llm")
     cfg = repo / "llm" / "config.pbtxt"
-    cfg.write_text(cfg.read_text() + '\nparameters { key: "test_fault_after_steps" value: { string_value: "40" } }\n')
+    text = cfg.read_text().replace('key: "async_token_handoff" value: { string_value: "auto" }',
+                                   'key: "async_token_handoff" value: { string_value: "on" }')
+    cfg.write_text(text + '\nparameters { key: "test_fault_after_steps" value: { string_value: "40" } }\n')
     srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), model_repository=repo,
                        wait_model="llm")
     try:
@@ -140,6 +143,8 @@ def test_engine_death_fails_requests_fast(tmp_path):
         assert status == 400 and "not healthy" in text, text
         assert time.monotonic() - t0 < 5
         assert wait_for(lambda: srv.metric("llm_engine_healthy") == 0, 5)
+        # async_token_handoff=on runs the overlapped path (emulated on CPU): its steps are counted
+        assert srv.metric("llm_async_steps_total") > 0
         sc.close()
     finally:
         srv.stop()
