@@ -65,21 +65,27 @@ exec "$PA_BIN" "\$@"
 SH
 else
   GL="$BUILD/glibc-trixie"
-  if [ ! -e "$GL/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" ] && [ ! -e "$GL/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" ]; then
+  fetch_glibc() {
     echo "   glibc < 2.38 here: fetching Debian trixie's libc6/libstdc++6 into $GL"
     # this machine's Debian mirror (deb822 or one-line format), trixie suite
+    local uri
     uri="$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)"
     [ -n "$uri" ] || uri="$(awk '$1=="deb"{for(i=2;i<=NF;i++) if($i ~ /^[a-z]+:\/\//){print $i; exit}}' /etc/apt/sources.list 2>/dev/null || true)"
-    [ -n "$uri" ] || { echo "no Debian mirror configured in /etc/apt: cannot fetch trixie's libc6" >&2; exit 1; }
-    A="$BUILD/apt-trixie"; mkdir -p "$A/lists/partial" "$A/cache/archives/partial" "$A/debs"
+    [ -n "$uri" ] || { warn "no Debian mirror configured in /etc/apt"; return 1; }
+    local A="$BUILD/apt-trixie"
+    rm -rf "$A/debs"; mkdir -p "$A/lists/partial" "$A/cache/archives/partial" "$A/debs"
     echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri trixie main" > "$A/sources.list"
-    APT=(-o Dir::Etc::SourceList="$A/sources.list" -o Dir::Etc::SourceParts=/dev/null
-         -o Dir::State::Lists="$A/lists" -o Dir::Cache="$A/cache" -o Debug::NoLocking=1
-         -o APT::Architecture=amd64 -o APT::Architectures=amd64)
-    apt-get "${APT[@]}" -qq update
-    (cd "$A/debs" && apt-get "${APT[@]}" -qq download libc6 libstdc++6 libgcc-s1)
+    local APT=(-o Dir::Etc::SourceList="$A/sources.list" -o Dir::Etc::SourceParts=/dev/null
+               -o Dir::State::Lists="$A/lists" -o Dir::Cache="$A/cache" -o Debug::NoLocking=1
+               -o APT::Architecture=amd64 -o APT::Architectures=amd64)
+    apt-get "${APT[@]}" -qq update || return 1
+    (cd "$A/debs" && apt-get "${APT[@]}" -qq download libc6 libstdc++6 libgcc-s1 2>&1 | grep -v unsandboxed) || true
+    ls "$A"/debs/libc6_*.deb "$A"/debs/libstdc++6_*.deb >/dev/null 2>&1 || return 1
     rm -rf "$GL" && mkdir -p "$GL"
-    for d in "$A"/debs/*.deb; do dpkg -x "$d" "$GL"; done
+    for d in "$A"/debs/*.deb; do dpkg -x "$d" "$GL" || return 1; done
+  }
+  if [ ! -e "$GL/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" ] && [ ! -e "$GL/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" ]; then
+    fetch_glibc || { warn "could not fetch Debian trixie's libc6: make perf and the perf test will skip"; rm -f "$BUILD/bin/perf_analyzer"; exit 0; }
   fi
   LD="$GL/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
   [ -e "$LD" ] || LD="$GL/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
