@@ -16,6 +16,7 @@ PY="$VENV/bin/python"
 BUILD="$ROOT/build"
 PA_VERSION="${PA_VERSION:-2.60.0}"
 mkdir -p "$BUILD/bin"
+cd "$ROOT"
 
 warn() { echo "[install_triton] WARNING: $*" >&2; }
 
