@@ -1,7 +1,8 @@
-"""Decode throughput: HF `generate` vs our engine (sync and async token handoff), one run, one table.
+"""Decode throughput: HF `generate` and HF continuous batching vs our engine (sync and async
+token handoff), one run, one table per model.
 
     python -m bench.decode                                   # CPU, models/tiny-llama, batch 1/8/64
-    python -m bench.decode --device cuda --preset qwen2.5-0.5b
+    python -m bench.decode --device cuda --out-dir $OUT      # H200: both presets, batch 1/8/64/256 (~5-7 min)
     python -m bench.decode --device cuda --preset llama-3-8b --batches 1,8,64 --out /tmp/8b.json
     python -m bench.decode --model /path/to/hf/checkpoint --device cuda --dtype bfloat16
 
@@ -11,25 +12,35 @@ What is measured (greedy, ignore EOS, every request of a batch has the same prom
   host has the FIRST output token of every request of the batch and stops when it has the
   last; in that window each request produced (output_len - 1) tokens, so
   TPOT = window / (output_len - 1) and tok/s = batch * (output_len - 1) / window.
-  - HF: timestamps from a `BaseStreamer` (generate hands it each step's tokens on the host;
-    it syncs on every step anyway for its stop check). On CUDA with
-    `cache_implementation="static"` (HF then auto-compiles the decode forward unless
-    --hf-no-compile); on CPU the default dynamic cache.
+  - HF `generate` (bench/_hf.py): timestamps from a `BaseStreamer`. On CUDA with
+    `cache_implementation="static"`, EAGER by default (`--hf-compile` lets HF auto-compile the
+    decode step; it recompiles per batch size, minutes per model); on CPU the dynamic cache.
+  - HF continuous batching (`generate_batch`, when transformers has it; `paged|sdpa` unless
+    flash_attn is installed): its per-token host timestamps (`record_timestamps`). Failures
+    are recorded as n/a, not fatal.
   - ours: add the batch, step until every request has its first token, then step to the end.
     In async mode decode step 1 is queued before the prefill's tokens are read, so it starts
     on the device exactly when they become readable: the window holds output_len - 1 decode
     steps in both modes (no device sync at the clock start, which would skip one).
 * each (implementation, batch) point runs once as warm-up with the same shapes first (CUDA
-  graphs / torch.compile / allocator), then once measured.
+  graphs / torch.compile / allocator), then once measured. An HF point whose predicted wall
+  time (previous batch, scaled linearly) exceeds --hf-max-point-s is skipped and says why.
 * CUDA only: GPU busy fraction = 1 - (sum of inter-step GPU idle gaps) / window, and the gap
   p50/p99, from CUDA events recorded around every engine step (`EngineStats.gpu_idle_gap_us`);
   host time per step = engine time in step() minus time blocked on step events, per step.
+* CUDA only: the weight-bytes roofline: device bandwidth from a 2 GiB D2D copy ((read +
+  write) / time, median of 10), roofline TPOT at batch 1 = weight bytes per step / bandwidth.
+* CUDA only: timeline.png in --out-dir: GPU busy/idle of --timeline-steps consecutive steady
+  decode steps of our engine, sync vs async (bench/_timeline.py; per-step CUDA events).
 
 Defaults: CPU: prompt 32, output 32, float32, torch single-threaded (--threads; the tiny
-model's ops are too small to gain from threads and a busy machine makes OpenMP spin badly).
-CUDA: prompt 256, output 128, bfloat16, preset qwen2.5-0.5b when no --model/--preset is given.
-Presets are random-weight checkpoints of the real shapes written by
-scripts/make_model.py:write_random_model under --model-dir (no downloads).
+model's ops are too small to gain from threads and a busy machine makes OpenMP spin badly),
+impls hf,sync,async. CUDA: prompt 256, output 128, bfloat16, both presets (qwen2.5-0.5b, then
+llama-3-8b) when no --model/--preset is given, impls hf,cb,sync,async. Presets write only a
+config folder under --model-dir (config.json + generation_config.json, numbers from
+scripts/make_model.py:RANDOM_PRESETS): our engine uses load_format="dummy", HF builds
+`from_config` on the device; random weights, same shapes (speed only). Each model is freed
+before the next. The tables are printed last; decode.json goes to --out-dir.
 """
 from __future__ import annotations
 
@@ -37,6 +48,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import os
 import platform
 import random
 import sys
@@ -58,16 +70,17 @@ PRESETS = ("qwen2.5-0.5b", "llama-3-8b")
 class Row:
     model: str
     batch: int
-    impl: str                  # "hf generate" | "engine sync" | "engine async"
-    tpot_ms: float
-    tok_s: float
-    decode_tokens: int
-    window_s: float
+    impl: str                  # "hf generate" | "hf cb" | "engine sync" | "engine async"
+    tpot_ms: Optional[float]   # None: skipped / n/a (see note)
+    tok_s: Optional[float]
+    decode_tokens: Optional[int]
+    window_s: Optional[float]
     gpu_busy: Optional[float] = None
     gap_p50_us: Optional[float] = None
     gap_p99_us: Optional[float] = None
     host_ms_per_step: Optional[float] = None
     steps: Optional[int] = None
+    note: str = ""
     extra: dict = field(default_factory=dict)
 
 
@@ -84,22 +97,74 @@ def _make_model_module():
     return mod
 
 
-def resolve_model(args) -> tuple[str, str]:
-    """(checkpoint folder, display name)."""
+@dataclass
+class ModelSpec:
+    path: str
+    name: str
+    dummy: bool   # random weights of the config's shape (config folder only, no checkpoint)
+
+
+def write_preset_config(preset: str, root: str) -> str:
+    """A config-only folder for a preset: config.json (the transformers config class of the
+    preset's model_type, numbers from scripts/make_model.py:RANDOM_PRESETS, plus the legacy
+    rope keys) and generation_config.json with an EOS id. No weights: our engine uses
+    load_format="dummy", HF builds from_config on the device."""
+    from transformers import GenerationConfig
+    mm = _make_model_module()
+    arch = dict(mm.RANDOM_PRESETS[preset])
+    out = Path(root) / f"{preset}-config"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = mm.make_hf_config(arch, arch["vocab_size"])
+    cfg.save_pretrained(str(out))
+    mm._add_legacy_rope_keys(out / "config.json", arch["rope_theta"], arch.get("rope_scaling"))
+    GenerationConfig(bos_token_id=mm.BOS_ID, eos_token_id=mm.EOS_ID, pad_token_id=mm.PAD_ID).save_pretrained(str(out))
+    return str(out)
+
+
+def resolve_models(args) -> list[ModelSpec]:
     if args.model:
-        return args.model, Path(args.model).name
-    if args.preset:
-        mm = _make_model_module()
-        out = Path(args.model_dir) / f"{args.preset}-{args.dtype}"
-        gen_device = "cuda" if args.device == "cuda" else "cpu"
-        mm.write_random_model(out, args.preset, args.dtype, device=gen_device)
-        return str(out), args.preset
+        return [ModelSpec(args.model, Path(args.model).name, False)]
+    if args.preset_list:
+        return [ModelSpec(write_preset_config(p, args.model_dir), p, True) for p in args.preset_list]
     path = REPO_ROOT / "models" / "tiny-llama"
     if not (path / "config.json").exists():
         mm = _make_model_module()
         arch, shard = mm.TINY_MODELS["tiny-llama"]
         mm.make_tiny(path, arch, shard_size=shard)
-    return str(path), "tiny-llama"
+    return [ModelSpec(str(path), "tiny-llama", False)]
+
+
+def weight_bytes_per_step(path: str, dtype: str) -> int:
+    """Weight bytes one decode step must read: every layer's projections plus the LM head
+    (the input embedding is only gathered; tied or not, the head is read once). Norms and
+    biases are negligible and left out."""
+    from backend_lib.models.llama import ModelShape
+    from backend_lib.models.loader import load_hf_config
+    s = ModelShape.from_hf_config(load_hf_config(path))
+    attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * s.hidden_size
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    elem = 4 if dtype == "float32" else 2
+    return (s.num_layers * (attn + mlp) + s.vocab_size * s.hidden_size) * elem
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device memory bandwidth in bytes/s from a large D2D copy: (read + write) / time,
+    median of `reps` event-timed copies after one warm-up."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del src, dst
+    _free("cuda")
+    return 2 * nbytes / _pct(times, 0.5)
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -127,69 +192,56 @@ def _pct(xs: list[float], q: float) -> Optional[float]:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-# ---- HF generate ------------------------------------------------------------------------------------
+# ---- HF baselines (helpers in bench/_hf.py) ------------------------------------------------------
 
-class _Stamps:
-    """A transformers streamer that records when each step's tokens reach the host."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+def _skip_row(name: str, b: int, impl: str, note: str) -> Row:
+    print(f"  {impl:13s} batch {b:4d}: {note}", file=sys.stderr, flush=True)
+    return Row(name, b, impl, None, None, None, None, note=note)
 
 
-def bench_hf(path: str, name: str, args) -> list[Row]:
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
-
-    class Stamps(_Stamps, BaseStreamer):
-        pass
-
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+def bench_hf(spec: ModelSpec, args) -> list[Row]:
+    from bench import _hf
+    name = spec.name
+    model = _hf.load_model(spec.path, getattr(torch, args.dtype), args.device, spec.dummy)
     vocab = model.config.vocab_size
-    rows = []
-    for b in args.batch_list:
-        ids = torch.tensor(_prompts(b, args.prompt_len, vocab, seed=b), device=args.device)
-        # eos_token_id=None: no EOS stop (ignore_eos); checked below by the output length.
-        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
-                  do_sample=False, eos_token_id=None, pad_token_id=0)
-        if args.device == "cuda":
-            kw["cache_implementation"] = "static"
-            if args.hf_no_compile:
-                kw["disable_compile"] = True
-        windows = []
-        for rep in range(2):  # warm-up (compile, static cache), then measured
-            st = Stamps()
-            _sync(args.device)
-            try:
-                with torch.inference_mode():
-                    out = model.generate(ids, streamer=st, **kw)
-            except Exception as e:  # noqa: BLE001 - e.g. torch.compile unavailable: measure eager
-                if kw.get("disable_compile") or args.device != "cuda":
-                    raise
-                print(f"  hf generate: auto-compiled decode failed ({type(e).__name__}: {e}); "
-                      f"falling back to eager", file=sys.stderr, flush=True)
-                kw["disable_compile"] = True
-                st = Stamps()
-                with torch.inference_mode():
-                    out = model.generate(ids, streamer=st, **kw)
-            _sync(args.device)
-            n_new = out.shape[1] - ids.shape[1]
-            assert n_new == args.output_len, (n_new, args.output_len)
-            # times[0]: the prompt; times[1]: first new token (after prefill); times[-1]: last.
-            assert len(st.times) == args.output_len + 1, len(st.times)
-            windows.append(st.times[-1] - st.times[1])
-        window = windows[-1]
-        dec = b * (args.output_len - 1)
-        rows.append(Row(name, b, "hf generate", window / (args.output_len - 1) * 1e3, dec / window, dec, window,
-                        extra={"static_cache": args.device == "cuda",
-                               "compile": args.device == "cuda" and not kw.get("disable_compile", False)}))
+    rows: list[Row] = []
+    history: dict = {}  # impl -> (batch, wall seconds of its last point)
+    dec_steps = args.output_len - 1
+
+    def point(impl: str, b: int, fn, *a) -> None:
+        reason = _hf.point_guard(history, impl, b, args.hf_max_point_s)
+        if reason:
+            rows.append(_skip_row(name, b, impl, "skipped: " + reason))
+            return
+        t0 = time.perf_counter()
+        try:
+            window, extra = fn(model, _prompts(b, args.prompt_len, vocab, seed=b), args, *a)
+        except Exception as e:  # noqa: BLE001 - a baseline that fails is recorded, not fatal
+            rows.append(_skip_row(name, b, impl, f"n/a: {type(e).__name__}: {str(e)[:160]}"))
+            _free(args.device)
+            return
+        history[impl] = (b, extra["rep_wall_s"])
+        dec = b * dec_steps
+        rows.append(Row(name, b, impl, window / dec_steps * 1e3, dec / window, dec, window,
+                        extra=dict(extra, point_wall_s=round(time.perf_counter() - t0, 1))))
         _progress(rows[-1])
+
+    if "hf" in args.impl_list:
+        kw = _hf.generate_kwargs(args)
+        for b in args.batch_list:
+            point("hf generate", b, _hf.run_generate, kw)
+    if "cb" in args.impl_list:
+        if not _hf.has_generate_batch(model):
+            for b in args.batch_list:
+                rows.append(_skip_row(name, b, "hf cb", "n/a: this transformers has no generate_batch"))
+        else:
+            extra = _hf.prepare_cb(model, args)
+            cbc = _hf.cb_config(max(args.batch_list))
+            for b in args.batch_list:
+                point("hf cb", b, _hf.run_generate_batch, cbc)
+                if rows and rows[-1].impl == "hf cb" and rows[-1].tpot_ms is not None:
+                    rows[-1].extra.update(extra)
+            _hf.destroy_cb(model)
     del model
     _free(args.device)
     return rows
@@ -197,20 +249,28 @@ def bench_hf(path: str, name: str, args) -> list[Row]:
 
 # ---- our engine ----------------------------------------------------------------------------------------
 
-def bench_engine(path: str, name: str, mode: str, args) -> list[Row]:
+def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = None) -> list[Row]:
+    """timeline: {"batch": B, "steps": N, "skip": K, "lanes": dict} to record N steady decode
+    steps of batch B (CUDA events of each step) into lanes[impl]."""
     from backend_lib import EngineConfig, LLMEngine, SamplingParams
+    from bench._timeline import StepRecorder
 
+    name = spec.name
     max_b = max(args.batch_list)
     bs = 16
     max_len = args.prompt_len + args.output_len + bs
     max_len = (max_len + bs - 1) // bs * bs
     cfg = EngineConfig(
-        model_path=path, device=args.device, dtype=args.dtype, max_num_seqs=max_b,
+        model_path=spec.path, device=args.device, dtype=args.dtype, max_num_seqs=max_b,
         max_num_batched_tokens=max(max_b * args.prompt_len, max_len),  # every prefill in one step
         max_model_len=max_len, block_size=bs, num_kv_blocks=max_b * (max_len // bs) + 8,
-        async_token_handoff=mode, enable_cuda_graph=True, cuda_graph_max_batch=max_b)
+        async_token_handoff=mode, enable_cuda_graph=True, cuda_graph_max_batch=max_b,
+        load_format="dummy" if spec.dummy else "safetensors")
+    t_init = time.perf_counter()
     eng = LLMEngine(cfg)
+    t_init = time.perf_counter() - t_init
     impl = "engine async" if eng.async_enabled else "engine sync"
+    print(f"  {impl}: engine ready in {t_init:.1f} s", file=sys.stderr, flush=True)
     if mode == "on":
         assert eng.async_enabled, eng.decision
     emulated = bool(getattr(eng.decision, "emulated", False))
@@ -218,6 +278,7 @@ def bench_engine(path: str, name: str, mode: str, args) -> list[Row]:
     for b in args.batch_list:
         prompts = _prompts(b, args.prompt_len, eng.vocab_size, seed=b)
         window = 0.0
+        record = (timeline is not None and args.device == "cuda" and b == timeline["batch"])
         for rep in range(2):  # warm-up with the same shapes, then measured
             sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
             rids = [f"{mode}-{b}-{rep}-{i}" for i in range(b)]
@@ -232,12 +293,17 @@ def bench_engine(path: str, name: str, mode: str, args) -> list[Row]:
             # prefill and started when the prefill's tokens were ready, i.e. when we read them;
             # waiting for it would move the clock start one step late.
             s0 = eng.stats()  # also drains the idle-gap samples of the prefill
+            rec = StepRecorder(eng) if (record and rep == 1) else None
+            if rec:
+                rec.__enter__()
             t0 = time.perf_counter()
             while eng.has_unfinished():
                 for o in eng.step():
                     got[o.request_id] += len(o.new_token_ids)
             _sync(args.device)
             window = time.perf_counter() - t0
+            if rec:
+                rec.__exit__()
             s1 = eng.stats()
             assert all(v == args.output_len for v in got.values()), "wrong number of tokens"
             assert s1.kv_blocks_used == 0
@@ -247,12 +313,14 @@ def bench_engine(path: str, name: str, mode: str, args) -> list[Row]:
         dec = b * (args.output_len - 1)
         row = Row(name, b, impl, window / (args.output_len - 1) * 1e3, dec / window, dec, window,
                   host_ms_per_step=host / max(steps, 1) * 1e3, steps=steps,
-                  extra={"async_token_handoff": mode, "emulated": emulated})
+                  extra={"async_token_handoff": mode, "emulated": emulated, "engine_init_s": round(t_init, 1)})
         if args.device == "cuda":
             row.gpu_busy = max(0.0, 1.0 - sum(gaps) / 1e6 / window)
             row.gap_p50_us = _pct(gaps, 0.5)
             row.gap_p99_us = _pct(gaps, 0.99)
             row.extra["gap_samples"] = len(gaps)
+        if record:
+            timeline["lanes"][impl] = rec.intervals_us(timeline["skip"], timeline["steps"])
         rows.append(row)
         _progress(row)
     if hasattr(eng, "close"):
@@ -273,21 +341,42 @@ def _fmt(v, spec: str, scale: float = 1.0) -> str:
     return "-" if v is None else format(v * scale, spec)
 
 
+_ORDER = {"hf generate": 0, "hf cb": 1, "engine sync": 2, "engine async": 3}
+
+
 def markdown_table(rows: list[Row], cuda: bool) -> str:
-    hf = {r.batch: r for r in rows if r.impl == "hf generate"}
-    head = ["model", "batch", "impl", "TPOT ms", "decode tok/s", "x HF", "host ms/step"]
+    hf = {(r.model, r.batch): r for r in rows if r.impl == "hf generate" and r.tok_s}
+    head = ["model", "batch", "impl", "TPOT ms", "output tok/s", "x HF"]
     if cuda:
         head += ["GPU busy %", "idle gap p50 µs", "idle gap p99 µs"]
+    head += ["host ms/step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    order = {"hf generate": 0, "engine sync": 1, "engine async": 2}
-    for r in sorted(rows, key=lambda r: (r.batch, order.get(r.impl, 9))):
-        base = hf.get(r.batch)
-        cells = [r.model, str(r.batch), r.impl + (" (emulated)" if r.extra.get("emulated") else ""),
-                 f"{r.tpot_ms:.3f}", f"{r.tok_s:.1f}",
-                 f"{r.tok_s / base.tok_s:.2f}" if base else "-", _fmt(r.host_ms_per_step, ".3f")]
+    for r in sorted(rows, key=lambda r: (r.batch, _ORDER.get(r.impl, 9))):
+        impl = r.impl + (" (emulated)" if r.extra.get("emulated") else "")
+        if r.tok_s is None:
+            cells = [r.model, str(r.batch), impl, r.note or "n/a"] + ["-"] * (len(head) - 4)
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
+        base = hf.get((r.model, r.batch))
+        cells = [r.model, str(r.batch), impl, f"{r.tpot_ms:.3f}", f"{r.tok_s:.1f}",
+                 f"{r.tok_s / base.tok_s:.2f}" if base else "-"]
         if cuda:
             cells += [_fmt(r.gpu_busy, ".1f", 100.0), _fmt(r.gap_p50_us, ".1f"), _fmt(r.gap_p99_us, ".1f")]
+        cells += [_fmt(r.host_ms_per_step, ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def roofline_table(roof: dict, rows: list[Row]) -> str:
+    head = ["model", "weight GB/step", "copy bandwidth TB/s", "roofline TPOT ms (batch 1)",
+            "engine async TPOT ms (batch 1)", "x roofline", "engine sync TPOT ms (batch 1)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for name, r in roof.items():
+        tp = {x.impl: x.tpot_ms for x in rows if x.model == name and x.batch == 1 and x.tpot_ms}
+        a, s = tp.get("engine async"), tp.get("engine sync")
+        lines.append("| " + " | ".join([
+            name, f"{r['weight_bytes'] / 1e9:.3f}", f"{r['bandwidth'] / 1e12:.2f}", f"{r['tpot_ms']:.3f}",
+            _fmt(a, ".3f"), f"{a / r['tpot_ms']:.2f}" if a else "-", _fmt(s, ".3f")]) + " |")
     return "\n".join(lines)
 
 
@@ -297,17 +386,32 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="local HF checkpoint folder (default: models/tiny-llama on CPU)")
-    src.add_argument("--preset", choices=PRESETS, help="random-weight model of a real shape (written under --model-dir)")
-    ap.add_argument("--model-dir", default="/tmp/bench-models", help="where --preset checkpoints are written")
-    ap.add_argument("--batches", default="1,8,64")
+    src.add_argument("--preset", help=f"comma list of {', '.join(PRESETS)}: random weights of a real shape, "
+                                      f"no checkpoint (default on CUDA: both)")
+    ap.add_argument("--model-dir", default="/tmp/bench-models", help="where preset config folders are written")
+    ap.add_argument("--batches", default=None, help="default 1,8,64 on CPU, 1,8,64,256 on CUDA")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 32 on CPU, 256 on CUDA")
     ap.add_argument("--output-len", type=int, default=None, help="default 32 on CPU, 128 on CUDA")
     ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                     help="default float32 on CPU, bfloat16 on CUDA")
-    ap.add_argument("--impls", default="hf,sync,async", help="comma list of hf, sync, async")
+    ap.add_argument("--impls", default=None,
+                    help="comma list of hf (generate), cb (generate_batch), sync, async; "
+                         "default hf,sync,async on CPU (CB sizes its cache slowly there), hf,cb,sync,async on CUDA")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU)")
-    ap.add_argument("--hf-no-compile", action="store_true", help="CUDA: keep HF generate eager (disable_compile)")
-    ap.add_argument("--out", help="also write the rows and run metadata as JSON here")
+    ap.add_argument("--hf-compile", action="store_true",
+                    help="CUDA: let HF generate auto-compile its static-cache decode step. Off by default: "
+                         "it recompiles per batch size, which alone would take minutes of the run")
+    ap.add_argument("--hf-no-compile", action="store_true", help="(the default) keep HF generate eager")
+    ap.add_argument("--hf-max-point-s", type=float, default=90.0,
+                    help="skip an HF point when 2 x the previous batch's measured run time, scaled linearly "
+                         "by batch, exceeds this (0: never skip)")
+    ap.add_argument("--timeline", default="qwen2.5-0.5b:8",
+                    help="MODEL:BATCH whose sync and async decode steps are drawn (CUDA; '' to skip); "
+                         "MODEL falls back to the first model run")
+    ap.add_argument("--timeline-steps", type=int, default=30)
+    ap.add_argument("--out-dir", default=os.environ.get("BENCH_OUT_DIR", "/tmp/bench-out"),
+                    help="decode.json and timeline.png go here (env BENCH_OUT_DIR)")
+    ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -317,14 +421,33 @@ def parse_args(argv=None):
     if args.output_len < 2:
         ap.error("--output-len must be >= 2 (decode is measured after the first token)")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    if cuda and not args.model and not args.preset:
-        args.preset = "qwen2.5-0.5b"
-    args.batch_list = [int(x) for x in args.batches.split(",") if x.strip()]
-    args.impl_list = [x.strip() for x in args.impls.split(",") if x.strip()]
-    bad = set(args.impl_list) - {"hf", "sync", "async"}
+    args.hf_compile = args.hf_compile and not args.hf_no_compile
+    args.preset_list = [p.strip() for p in (args.preset or "").split(",") if p.strip()]
+    if cuda and not args.model and not args.preset_list:
+        args.preset_list = list(PRESETS)
+    bad = set(args.preset_list) - set(PRESETS)
+    if bad:
+        ap.error(f"--preset: unknown {sorted(bad)} (choose from {PRESETS})")
+    args.batch_list = [int(x) for x in (args.batches or ("1,8,64,256" if cuda else "1,8,64")).split(",") if x.strip()]
+    args.impl_list = [x.strip() for x in (args.impls or ("hf,cb,sync,async" if cuda else "hf,sync,async")).split(",")
+                      if x.strip()]
+    bad = set(args.impl_list) - {"hf", "cb", "sync", "async"}
     if bad:
         ap.error(f"--impls: unknown {sorted(bad)}")
     return args
+
+
+def _timeline_target(args, models: list[ModelSpec]) -> Optional[tuple[str, int]]:
+    if args.device != "cuda" or not args.timeline:
+        return None
+    mname, _, b = args.timeline.rpartition(":")
+    names = [m.name for m in models]
+    if mname not in names:
+        mname = names[0]
+    b = int(b)
+    if b not in args.batch_list or not {"sync", "async"} & set(args.impl_list):
+        return None
+    return mname, b
 
 
 def main(argv=None) -> int:
@@ -333,35 +456,87 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads or 1)
     elif args.threads:
         torch.set_num_threads(args.threads)
-    path, name = resolve_model(args)
+    cuda = args.device == "cuda"
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    models = resolve_models(args)
     t_start = time.time()
-    meta = {"device": args.device, "model": name, "model_path": path, "dtype": args.dtype,
+    meta = {"device": args.device, "models": [m.name for m in models], "dtype": args.dtype,
             "prompt_len": args.prompt_len, "output_len": args.output_len, "batches": args.batch_list,
+            "impls": args.impl_list, "hf_compile": args.hf_compile,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "host": platform.node(),
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
+            "gpu": torch.cuda.get_device_name() if cuda else None}
     try:
         import transformers
         meta["transformers"] = transformers.__version__
     except ImportError:
         pass
-    print(f"decode bench: {name} on {args.device} ({meta['gpu'] or platform.processor() or 'cpu'}), {args.dtype}, "
-          f"prompt {args.prompt_len}, output {args.output_len}, batches {args.batch_list}, "
-          f"threads {meta['threads']}", file=sys.stderr, flush=True)
+    print(f"decode bench: {', '.join(meta['models'])} on {args.device} "
+          f"({meta['gpu'] or platform.processor() or 'cpu'}), {args.dtype}, prompt {args.prompt_len}, "
+          f"output {args.output_len}, batches {args.batch_list}, impls {args.impl_list}, "
+          f"threads {meta['threads']}, transformers {meta.get('transformers')}", file=sys.stderr, flush=True)
+    if cuda and "hf" in args.impl_list:
+        print(f"  hf generate: static cache, {'auto-compiled' if args.hf_compile else 'eager (no compile; --hf-compile to enable)'}",
+              file=sys.stderr, flush=True)
+
+    roof: dict = {}
+    bandwidth = None
+    if cuda:
+        bandwidth = measure_copy_bandwidth()
+        meta["copy_bandwidth_Bps"] = bandwidth
+        print(f"  device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s", file=sys.stderr, flush=True)
+    tl_target = _timeline_target(args, models)
+    timeline = None
     rows: list[Row] = []
-    if "hf" in args.impl_list:
-        rows += bench_hf(path, name, args)
-    if "sync" in args.impl_list:
-        rows += bench_engine(path, name, "off", args)
-    if "async" in args.impl_list:
-        rows += bench_engine(path, name, "on", args)
+    for spec in models:
+        t_model = time.time()
+        print(f"\n== {spec.name} ({'random weights, config only' if spec.dummy else spec.path})",
+              file=sys.stderr, flush=True)
+        if bandwidth:
+            wb = weight_bytes_per_step(spec.path, args.dtype)
+            roof[spec.name] = {"weight_bytes": wb, "bandwidth": bandwidth, "tpot_ms": wb / bandwidth * 1e3}
+        tl = None
+        if tl_target and tl_target[0] == spec.name:
+            tl = timeline = {"model": spec.name, "batch": tl_target[1], "steps": args.timeline_steps,
+                             "skip": 20, "lanes": {}}
+        if {"hf", "cb"} & set(args.impl_list):
+            rows += bench_hf(spec, args)
+        if "sync" in args.impl_list:
+            rows += bench_engine(spec, "off", args, tl)
+        if "async" in args.impl_list:
+            rows += bench_engine(spec, "on", args, tl)
+        print(f"  ({spec.name}: {time.time() - t_model:.0f} s)", file=sys.stderr, flush=True)
     meta["elapsed_s"] = round(time.time() - t_start, 1)
-    table = markdown_table(rows, args.device == "cuda")
-    print(f"\nDecode throughput, {name}, {args.device}"
-          f"{' (' + meta['gpu'] + ')' if meta['gpu'] else ''}, {args.dtype}, prompt {args.prompt_len}, "
-          f"output {args.output_len}, greedy, ignore_eos; prefill excluded\n")
-    print(table)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+
+    notes = []
+    if timeline and timeline["lanes"]:
+        from bench._timeline import busy_fraction, write_png
+        png = out_dir / "timeline.png"
+        lanes = [(k, timeline["lanes"][k]) for k in ("engine sync", "engine async") if k in timeline["lanes"]]
+        title = (f"{timeline['model']} batch {timeline['batch']}: {args.timeline_steps} consecutive decode steps "
+                 f"(after {timeline['skip']}), GPU busy (filled) / idle, from per-step CUDA events")
+        how = write_png(png, lanes, title)
+        busy = ", ".join(f"{k} busy {busy_fraction(iv) * 100:.1f}%" for k, iv in lanes if iv)
+        notes.append(f"timeline: {png} ({how}; lanes top to bottom: {', '.join(k for k, _ in lanes)}; {busy})")
+    result = {"meta": meta, "rows": [asdict(r) for r in rows], "roofline": roof, "timeline": timeline}
+    js = json.dumps(result, indent=2)
+    for p in [out_dir / "decode.json"] + ([Path(args.out)] if args.out else []):
+        p.write_text(js)
+        notes.append(f"json: {p}")
+
+    # The tables last.
+    print(f"\nDecode throughput, {args.device}{' (' + meta['gpu'] + ')' if meta['gpu'] else ''}, {args.dtype}, "
+          f"prompt {args.prompt_len}, output {args.output_len}, greedy, ignore_eos; prefill excluded; "
+          f"HF generate {'static cache, ' + ('compiled' if args.hf_compile else 'eager') if cuda else 'dynamic cache'}; "
+          f"run took {meta['elapsed_s']:.0f} s")
+    for n in notes:
+        print(n)
+    for spec in models:
+        print(f"\n### {spec.name}\n")
+        print(markdown_table([r for r in rows if r.model == spec.name], cuda))
+    if roof:
+        print("\n### Weight-bytes roofline (batch-1 decode reads every weight once per step)\n")
+        print(roofline_table(roof, rows))
     return 0
 
 
