@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -103,6 +104,12 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        # The server leads its own process group: reap Python stubs (and pipeline workers) a
+        # killed server left behind, so they do not spin on after the test.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _ready(http_port: int, model: Optional[str] = None) -> bool:
