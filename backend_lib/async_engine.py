@@ -122,6 +122,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats() if self.engine is not None else EngineStats()
 
+    def backlog(self) -> int:
+        """Step outputs queued behind the one being delivered: > 0 means the dispatcher (the
+        callbacks, e.g. Triton's response sender) is falling behind the engine loop."""
+        return self._outs.qsize()
+
     def num_inflight(self) -> int:
         with self._lock:
             return len(self._sinks)

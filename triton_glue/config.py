@@ -29,6 +29,9 @@ GLUE_PARAMETERS = {
     "stats_interval_ms": "200",    # how often engine stats are exported to gauges
     # test hook: > 0 makes the engine thread fail after that many steps (engine-death tests)
     "test_fault_after_steps": "0",
+    # streaming: "auto" merges a request's tokens into one response while the sender is behind
+    # the engine (step outputs queued up), one response per step otherwise; "off": per step
+    "stream_coalesce": "auto",
 }
 
 

@@ -50,7 +50,7 @@ class _Inflight:
         self.first_sent = False
         self.ret_in = req.return_num_input_tokens
         self.ret_out = req.return_num_output_tokens
-        self.pending = []          # non-streaming: tokens so far
+        self.pending = []          # non-streaming: tokens so far; streaming: tokens held back
         self.t_arrival = time.monotonic()
         self.t_first = None
         self.t_last = None
@@ -77,6 +77,10 @@ class TritonPythonModel:
         cfg = glue_config.engine_config(self.model_config, args["model_repository"])
         self.cancel_poll_s = float(glue_config.glue_parameter(self.model_config, "cancel_poll_ms")) / 1e3
         self.stats_interval_s = float(glue_config.glue_parameter(self.model_config, "stats_interval_ms")) / 1e3
+        coalesce = glue_config.glue_parameter(self.model_config, "stream_coalesce")
+        if coalesce not in ("auto", "off"):
+            raise ValueError(f"parameter 'stream_coalesce' must be 'auto' or 'off', not {coalesce!r}")
+        self.coalesce = coalesce == "auto"
         self.metrics = EngineMetrics(pb_utils, {"model": self.name, "version": args["model_version"]})
 
         from backend_lib import AsyncEngine
@@ -189,6 +193,14 @@ class TritonPythonModel:
             if not out.finished:
                 return
             new = ctx.pending
+        elif self.coalesce and not out.finished and self.engine.backlog() > 0:
+            # The sender is behind the engine (step outputs queued): hold these tokens; this
+            # request's next output (every running request gets one per step, and the last
+            # one is final) carries them, so per-response cost is paid once per catch-up.
+            ctx.pending.extend(new)
+            return
+        elif ctx.pending:
+            new, ctx.pending = ctx.pending + list(new), []
         elif not new and not out.finished:
             return
         # Cheap per-token cancellation check (the monitor covers requests with no output).
