@@ -134,7 +134,9 @@ def run_generate_batch(model, prompts: list[list[int]], args, cbc) -> tuple[floa
     for rep in range(2):  # warm-up (manager, cache, CUDA graphs of these shapes), then measured
         sync(args.device)
         t_rep = time.perf_counter()
-        with torch.inference_mode():
+        # no_grad, not inference_mode: generate_batch's worker thread updates tensors in place
+        # outside inference mode ("Inplace update to inference tensor" on the H200 run).
+        with torch.no_grad():
             res = model.generate_batch(prompts, generation_config=gen, record_timestamps=True,
                                        progress_bar=False, persistent_manager=True, **kw)
         sync(args.device)
