@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -62,6 +61,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
+
+from scripts import load_make_model  # noqa: E402
 
 PRESETS = ("qwen2.5-0.5b", "llama-3-8b")
 
@@ -86,17 +87,6 @@ class Row:
 
 # ---- models --------------------------------------------------------------------------------------
 
-def _make_model_module():
-    name = "make_model"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / "make_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @dataclass
 class ModelSpec:
     path: str
@@ -110,7 +100,7 @@ def write_preset_config(preset: str, root: str) -> str:
     rope keys) and generation_config.json with an EOS id. No weights: our engine uses
     load_format="dummy", HF builds from_config on the device."""
     from transformers import GenerationConfig
-    mm = _make_model_module()
+    mm = load_make_model()
     arch = dict(mm.RANDOM_PRESETS[preset])
     out = Path(root) / f"{preset}-config"
     out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +118,7 @@ def resolve_models(args) -> list[ModelSpec]:
         return [ModelSpec(write_preset_config(p, args.model_dir), p, True) for p in args.preset_list]
     path = REPO_ROOT / "models" / "tiny-llama"
     if not (path / "config.json").exists():
-        mm = _make_model_module()
+        mm = load_make_model()
         arch, shard = mm.TINY_MODELS["tiny-llama"]
         mm.make_tiny(path, arch, shard_size=shard)
     return [ModelSpec(str(path), "tiny-llama", False)]

@@ -9,7 +9,6 @@ building them first if missing or stale (the script's stamp makes this a no-op o
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -21,17 +20,7 @@ MODELS_DIR = REPO_ROOT / "models"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-
-def load_make_model():
-    """Import scripts/make_model.py as a module (scripts/ is not a package)."""
-    name = "make_model"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / "make_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from scripts import load_make_model  # noqa: E402
 
 
 def _cuda_available() -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 from .detokenizer import IncrementalDetokenizer
 from .inputs import InputError, TextRequest
 from .stops import StopStringMatcher
-from .tokenize import encode_prompt, words_to_single_token_ids
+from .tokenize import encode_prompt, model_tokenizer, words_to_single_token_ids
 
 log = logging.getLogger("triton_glue.bls")
 CANCEL_PREFIX = "bls-"
@@ -55,7 +55,34 @@ class BlsRoute:
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="bls")
         self._closing = threading.Event()
 
+    @classmethod
+    def from_model_args(cls, pb_utils: Any, args: Any, *, preprocessing: bool,
+                        make_response: Callable[[TextRequest, Chunk], Any]) -> "BlsRoute":
+        """The route of a BLS model, from the `args` of its initialize(): the tokenizer and the
+        parameters `llm_model`, `max_concurrent_requests` and (preprocessing=True) the
+        `preprocessing_model` to tokenize through; preprocessing=False tokenizes in-process."""
+        _, params, tok = model_tokenizer(args)
+        return cls(pb_utils, tok, llm_model=params.get("llm_model", "llm"),
+                   preprocessing_model=(params.get("preprocessing_model", "preprocessing") or None)
+                   if preprocessing else None,
+                   max_workers=int(params.get("max_concurrent_requests", "256")),
+                   make_response=make_response)
+
     # ---- called from execute ------------------------------------------------------------
+    def execute(self, requests: Any, parse: Callable[[dict, Any], TextRequest]) -> None:
+        """A BLS model's execute(): parse(input arrays by name, request) and submit each request;
+        one that fails to parse (InputError) gets the error as its only, FINAL, response."""
+        pb = self.pb
+        for request in requests:
+            try:
+                arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+                self.submit(request, parse(arrays, request))
+            except InputError as e:
+                request.get_response_sender().send(
+                    pb.InferenceResponse(error=pb.TritonError(str(e))),
+                    flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
     def submit(self, request: Any, parsed: TextRequest) -> None:
         sender = request.get_response_sender()
         self.pool.submit(self._run_safe, sender, parsed)

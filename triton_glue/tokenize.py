@@ -1,9 +1,19 @@
 """Tokenizer helpers shared by preprocessing and the BLS routes."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+from typing import Any, Mapping, Sequence
 
+from .config import load_tokenizer, parameters_of
 from .inputs import InputError
+
+
+def model_tokenizer(args: Mapping[str, str]) -> tuple[dict, dict[str, str], Any]:
+    """(model config, its parameters, the checkpoint's tokenizer) from the `args` Triton passes
+    to a model's initialize(): what preprocessing, postprocessing and the BLS routes start from."""
+    model_config = json.loads(args["model_config"])
+    params = parameters_of(model_config)
+    return model_config, params, load_tokenizer(model_config, args["model_repository"])
 
 
 def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -13,15 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from gpu_helpers import GPU_MARKS, seed_from_env, torch  # skips the module without torch (CUDA: triton)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available"),
-]
-
-if torch.cuda.is_available():
-    pytest.importorskip("triton")
+pytestmark = GPU_MARKS
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,10 +49,7 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 
 def _seed() -> int:
-    env = os.environ.get("FUSED_OPS_TEST_SEED")
-    seed = int(env) if env else int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    return seed
+    return seed_from_env("FUSED_OPS_TEST_SEED")
 
 
 def _rel(out, ref) -> float:

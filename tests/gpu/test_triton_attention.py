@@ -6,19 +6,12 @@ failure); set TRITON_ATTN_TEST_SEED to reproduce one.
 """
 
 import itertools
-import os
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from gpu_helpers import GPU_MARKS, seed_from_env, torch  # skips the module without torch (CUDA: triton)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available"),
-]
-
-if torch.cuda.is_available():
-    pytest.importorskip("triton")
+pytestmark = GPU_MARKS
 
 from backend_lib.layers.triton_attention import (  # noqa: E402
     paged_decode_attention,
@@ -30,10 +23,7 @@ DEV = "cuda"
 
 
 def _seed() -> int:
-    env = os.environ.get("TRITON_ATTN_TEST_SEED")
-    seed = int(env) if env else int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    return seed
+    return seed_from_env("TRITON_ATTN_TEST_SEED")
 
 
 def _rel_err(out, ref):

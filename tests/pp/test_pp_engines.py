@@ -1,11 +1,5 @@
-"""Pipeline parallelism on CPU (gloo): PP=2/3 vs PP=1 token identity over a seeded churny
-workload, no object collectives on the token path, rounds with no sampled rows, worker
-death -> errors (not a hang).
-
-Stage processes are spawned, so each PP engine costs a few seconds to start: engines are
-module-scoped and shared by the workloads (the chunk budget is switched on the live
-scheduler between workloads; it only changes how steps are packed, never the tokens).
-"""
+"""PP=2 sync and PP=3 (uneven split) vs PP=1, and a dead stage -> errors (not a hang).
+See conftest.py."""
 from __future__ import annotations
 
 import os
@@ -17,12 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from backend_lib import AsyncEngine, FinishReason, LLMEngine, SamplingParams, envs
-from pp_workload import MAX_LEN, _cfg, assert_same, drive, make_workload, reference_factory
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_path):
-    return reference_factory(LLMEngine(_cfg(tiny_llama_path)))
+from pp_workload import MAX_LEN, _cfg, assert_same, drive, make_workload
 
 
 def test_pp2_sync_matches_pp1(tiny_llama_path, reference):

@@ -90,6 +90,11 @@ class Server:
             raise KeyError(f"metric {name}{labels} not exported")
         return total
 
+    def idle(self) -> bool:
+        """The llm engine holds no request (running or waiting) and no KV block."""
+        return all(self.metric(n) == 0 for n in ("llm_num_requests_running", "llm_num_requests_waiting",
+                                                 "llm_kv_blocks_used"))
+
     def log_tail(self, n: int = 60) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

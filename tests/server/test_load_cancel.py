@@ -10,23 +10,9 @@ import pytest
 from backend_lib import SamplingParams
 from triton_glue.detokenizer import full_text
 
-from .util import StreamClient, http_post
+from .util import StreamClient, http_post, wait_for
 
 N_STREAMS = 32
-
-
-def wait_for(pred, timeout=10.0, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
-
-
-def idle(server):
-    return server.metric("llm_num_requests_running") == 0 and server.metric("llm_num_requests_waiting") == 0 \
-        and server.metric("llm_kv_blocks_used") == 0
 
 
 def test_32_concurrent_streams_complete_in_order(server, tokenizer, reference_engine):
@@ -51,7 +37,7 @@ def test_32_concurrent_streams_complete_in_order(server, tokenizer, reference_en
 
 
 def test_cancel_grpc_stream_frees_kv_blocks(server):
-    assert wait_for(lambda: idle(server))
+    assert wait_for(server.idle)
     aborted0 = server.metric("llm_requests_finished_total", reason="abort")
     sc = StreamClient(server.grpc_url)
     c = sc.send("llm", {"input_ids": np.array([[1, 2, 3, 4, 5]], dtype=np.int64), "max_tokens": 1900,
@@ -62,7 +48,7 @@ def test_cancel_grpc_stream_frees_kv_blocks(server):
     sc.close(cancel=True)  # gRPC stop_stream(cancel_requests=True)
     assert wait_for(lambda: server.metric("llm_requests_finished_total", reason="abort") == aborted0 + 1, 10), \
         server.log_tail()
-    assert wait_for(lambda: idle(server), 5)
+    assert wait_for(server.idle, 5)
     assert len(c.responses) < 1900
 
 
@@ -71,7 +57,7 @@ def test_cancel_bls_stream_aborts_upstream(server, route):
     """Client cancellation of a BLS route reaches the engine. (The `ensemble` route cannot do
     this on Triton 2.51: its scheduler checks cancellation only between steps, never for an
     in-flight decoupled step; see README.)"""
-    assert wait_for(lambda: idle(server))
+    assert wait_for(server.idle)
     aborted0 = server.metric("llm_requests_finished_total", reason="abort")
     sc = StreamClient(server.grpc_url)
     if route == "llm_bls":
@@ -85,7 +71,7 @@ def test_cancel_bls_stream_aborts_upstream(server, route):
     sc.close(cancel=True)
     assert wait_for(lambda: server.metric("llm_requests_finished_total", reason="abort") == aborted0 + 1, 10), \
         server.log_tail()
-    assert wait_for(lambda: idle(server), 5)
+    assert wait_for(server.idle, 5)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +93,7 @@ def long_ref(tokenizer, reference_engine):
 def test_stop_string_never_reaches_client_and_cancels_upstream(server, long_ref, route, stream):
     text, stop = long_ref
     expected = text[: text.find(stop)]
-    assert wait_for(lambda: idle(server))
+    assert wait_for(server.idle)
     aborted0 = server.metric("llm_requests_finished_total", reason="abort")
     if route == "vllm_model":
         body = {"text_input": "Once upon a time", "stream": stream, "exclude_input_in_output": True,
@@ -132,7 +118,7 @@ def test_stop_string_never_reaches_client_and_cancels_upstream(server, long_ref,
         assert c.last("finish_reason")[0].decode() == "stop"
     # the upstream llm request was aborted long before its 1900 tokens
     assert wait_for(lambda: server.metric("llm_requests_finished_total", reason="abort") == aborted0 + 1, 10)
-    assert wait_for(lambda: idle(server), 5)
+    assert wait_for(server.idle, 5)
 
 
 def test_bls_concurrent_streams(server, tokenizer, reference_engine):
@@ -160,7 +146,7 @@ def test_bls_concurrent_streams(server, tokenizer, reference_engine):
 def test_http_client_disconnect_cancels(server, route):
     """Closing the HTTP generate_stream connection cancels the request in the engine."""
     import socket
-    assert wait_for(lambda: idle(server))
+    assert wait_for(server.idle)
     aborted0 = server.metric("llm_requests_finished_total", reason="abort")
     if route == "llm":
         body = {"input_ids": [1, 2, 3], "max_tokens": 1900, "ignore_eos": True, "stream": True,
@@ -179,4 +165,4 @@ def test_http_client_disconnect_cancels(server, route):
         buf += chunk
     s.close()
     assert wait_for(lambda: server.metric("llm_requests_finished_total", reason="abort") == aborted0 + 1, 10)
-    assert wait_for(lambda: idle(server), 5)
+    assert wait_for(server.idle, 5)

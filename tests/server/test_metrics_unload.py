@@ -8,23 +8,11 @@ import numpy as np
 import pytest
 
 from .conftest import ACCESS_KEY, ROOT, start_server
-from .util import StreamClient, http_post
-
-
-def wait_for(pred, timeout=10.0, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
+from .util import StreamClient, http_post, wait_for
 
 
 def test_metrics_are_exact(server):
-    def idle():
-        return all(server.metric(n) == 0 for n in ("llm_num_requests_running", "llm_num_requests_waiting",
-                                                  "llm_kv_blocks_used"))
-    assert wait_for(idle, 15)
+    assert wait_for(server.idle, 15)
     names = ["llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
              "llm_time_per_output_token_seconds_count", "llm_sync_steps_total", "llm_async_steps_total",
              "llm_requests_rejected_total"]
@@ -44,7 +32,7 @@ def test_metrics_are_exact(server):
     assert [len(sum(c.ids(), [])) for c in got] == max_tokens
     status, _ = http_post(server.http_url, "/v2/models/llm/generate", {"input_ids": [1], "max_tokens": 0})
     assert status == 400
-    assert wait_for(idle, 10)
+    assert wait_for(server.idle, 10)
     time.sleep(0.5)  # one stats export after the last step
     d = {n: server.metric(n) - before[n] for n in names}
     assert d["llm_prompt_tokens_total"] == 25

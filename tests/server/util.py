@@ -135,6 +135,16 @@ def grpc_stream_one(url: str, model: str, body: dict, batched: bool = True, time
         sc.close()
 
 
+def wait_for(pred, timeout=10.0, interval=0.1):
+    """Poll pred() until it is true or timeout seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+
+
 def http_post(url: str, path: str, body: dict, timeout: float = 120, headers: Optional[dict] = None):
     """(status, text) of a POST; an error status is returned, not raised."""
     req = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(), method="POST",

@@ -1,7 +1,6 @@
 """`postprocessing`: ids -> text for one streamed chunk, stateless and UTF-8 safe
 (triton_glue.detokenizer.decode_delta): text = decode(prefix + new) - decode(prefix), holding
 back an incomplete trailing character until the chunk that completes it (or the final one)."""
-import json
 import sys
 from pathlib import Path
 
@@ -12,15 +11,13 @@ _ROOT = Path(__file__).resolve().parents[3]
 if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from triton_glue import config as glue_config  # noqa: E402
 from triton_glue.detokenizer import decode_delta  # noqa: E402
+from triton_glue.tokenize import model_tokenizer  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.model_config = json.loads(args["model_config"])
-        self.tokenizer = glue_config.load_tokenizer(self.model_config, args["model_repository"])
-        params = glue_config.parameters_of(self.model_config)
+        self.model_config, params, self.tokenizer = model_tokenizer(args)
         self.skip = params.get("skip_special_tokens", "true").lower() == "true"
 
     def execute(self, requests):

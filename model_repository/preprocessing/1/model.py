@@ -1,6 +1,5 @@
 """`preprocessing`: text -> token ids with the checkpoint's own tokenizer; stop/bad words ->
 token ids; request knobs passed on. Errors name the ensemble's input (text_input, stop_words, ...)."""
-import json
 import sys
 from pathlib import Path
 
@@ -11,16 +10,13 @@ _ROOT = Path(__file__).resolve().parents[3]
 if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from triton_glue import config as glue_config  # noqa: E402
 from triton_glue.inputs import InputError, decode_utf8  # noqa: E402
-from triton_glue.tokenize import encode_prompt, words_to_single_token_ids  # noqa: E402
+from triton_glue.tokenize import encode_prompt, model_tokenizer, words_to_single_token_ids  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.model_config = json.loads(args["model_config"])
-        self.tokenizer = glue_config.load_tokenizer(self.model_config, args["model_repository"])
-        params = glue_config.parameters_of(self.model_config)
+        self.model_config, params, self.tokenizer = model_tokenizer(args)
         self.add_special_tokens = params.get("add_special_tokens", "true").lower() == "true"
 
     def execute(self, requests):

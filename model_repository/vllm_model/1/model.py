@@ -3,7 +3,6 @@ string values coerced as vllm_backend does, exclude_input_in_output, return_fini
 return_num_input_tokens, return_num_output_tokens) over the shared `llm` engine through BLS,
 so vllm_backend clients and `genai-perf --backend vllm` work unchanged. See triton_glue/bls.py
 and triton_glue/vllm_compat.py."""
-import json
 import sys
 from pathlib import Path
 
@@ -14,12 +13,8 @@ _ROOT = Path(__file__).resolve().parents[3]
 if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from triton_glue import config as glue_config  # noqa: E402
 from triton_glue.bls import BlsRoute  # noqa: E402
-from triton_glue.inputs import InputError  # noqa: E402
 from triton_glue.vllm_compat import parse_vllm_request  # noqa: E402
-
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 def _response(req, chunk):
@@ -34,27 +29,19 @@ def _response(req, chunk):
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
+def _parse(arrays, request):
+    params = request.parameters()
+    params = params if params and params not in ("{}", "") else None
+    return parse_vllm_request(arrays, params)
+
+
 class TritonPythonModel:
     def initialize(self, args):
-        cfg = json.loads(args["model_config"])
-        params = glue_config.parameters_of(cfg)
-        tok = glue_config.load_tokenizer(cfg, args["model_repository"])
-        self.route = BlsRoute(pb_utils, tok, llm_model=params.get("llm_model", "llm"),
-                              preprocessing_model=None,  # tokenize in-process
-                              max_workers=int(params.get("max_concurrent_requests", "256")),
-                              make_response=_response)
+        # tokenize in-process
+        self.route = BlsRoute.from_model_args(pb_utils, args, preprocessing=False, make_response=_response)
 
     def execute(self, requests):
-        for request in requests:
-            try:
-                arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-                params = request.parameters()
-                params = params if params and params not in ("{}", "") else None
-                self.route.submit(request, parse_vllm_request(arrays, params))
-            except InputError as e:
-                request.get_response_sender().send(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
-        return None
+        return self.route.execute(requests, _parse)
 
     def finalize(self):
         self.route.close()
