@@ -157,7 +157,7 @@ class AsyncEngine:
                 if stop:
                     for rid in list(eng.scheduler.requests):
                         eng.abort(rid)
-                    while eng.has_unfinished() or eng.scheduler._pending_finished:
+                    while eng.has_unfinished() or eng.scheduler.has_pending_outputs:
                         self._emit(eng.step())
                     return
                 self._emit(eng.step())

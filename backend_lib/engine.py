@@ -116,7 +116,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         # Pending finished outputs (e.g. the "abort" final of a request aborted between steps)
         # count: the next step() delivers them.
-        return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self.scheduler._pending_finished)
+        return self.scheduler.has_unfinished() or bool(self._inflight) or self.scheduler.has_pending_outputs
 
     # ---- the step loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

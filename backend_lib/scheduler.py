@@ -92,6 +92,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def has_pending_outputs(self) -> bool:
+        """Final outputs of requests finished outside `update` (aborts) not yet taken."""
+        return bool(self._pending_finished)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
