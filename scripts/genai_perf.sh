@@ -26,33 +26,9 @@ OSL="${GENAI_OSL:-8}"
 TOKENIZER="${TOKENIZER:-$ROOT/models/tiny-llama}"
 OUT="${GENAI_OUT:-$ROOT/out/genai-perf}"
 PORT="${GRPC_PORT:-8001}"
-SERVER_PID=""
-cleanup() { [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null || true; }
-trap cleanup EXIT
-
-ready() { curl -sf "http://127.0.0.1:$1/v2/health/ready" >/dev/null 2>&1; }
-if "$PY" - "$PORT" <<'PY'
-import socket, sys
-s = socket.socket(); s.settimeout(1)
-sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)
-PY
-then
-  echo "using the server on gRPC port $PORT"
-else
-  read -r HP PORT MP < <("$PY" -c "
-import socket
-ss=[socket.socket() for _ in range(3)]
-[s.bind(('127.0.0.1',0)) for s in ss]
-print(*[s.getsockname()[1] for s in ss])")
-  mkdir -p "$ROOT/build"
-  LOG="$ROOT/build/genai-perf-server.log"
-  echo "starting tritonserver (HTTP $HP, gRPC $PORT; log $LOG)"
-  HTTP_PORT=$HP GRPC_PORT=$PORT METRICS_PORT=$MP PATH="$VENV/bin:$PATH" \
-    "$PY" -m triton_glue.launch serve > "$LOG" 2>&1 &
-  SERVER_PID=$!
-  for _ in $(seq 1 300); do ready "$HP" && break; kill -0 "$SERVER_PID" 2>/dev/null || { tail -30 "$LOG"; exit 1; }; sleep 1; done
-  ready "$HP" || { echo "server not ready" >&2; tail -30 "$LOG"; exit 1; }
-fi
+# shellcheck source=scripts/ensure_server.sh
+source "$ROOT/scripts/ensure_server.sh"
+ensure_server genai-perf-server.log
 
 # offline: local tokenizer, no hub; perf_analyzer = our wrapper (glibc shim where needed)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PATH="$ROOT/build/bin:$PATH" COLUMNS="${COLUMNS:-150}"
