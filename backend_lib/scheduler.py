@@ -109,7 +109,6 @@ class Scheduler:
         self._step += 1
         out = SchedulerOutput(step_id=self._step)
         budget = self.token_budget
-        scheduled: set[int] = set()
 
         bs = self.blocks.block_size
         i = 0
@@ -125,7 +124,6 @@ class Scheduler:
                 req.num_computed_tokens = computed + 1
                 req.num_output_placeholders += 1
                 out.rows.append(ScheduledRow(req, computed, 1, True, [0], True))
-                scheduled.add(id(req))
                 budget -= 1
                 i += 1
                 continue
@@ -133,23 +131,22 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            # Find KV room, preempting from the tail (requests not yet scheduled this step).
+            # Find KV room, preempting from the tail: everything after index i is not yet
+            # scheduled this step, so a victim never has a row in this step.
             need = self.blocks.blocks_needed(len(req.block_ids), req.num_computed_tokens + n)
-            while not self.blocks.can_allocate(need):
-                victim = self.running[-1]
-                if victim is req or id(victim) in scheduled:
-                    break
-                self._preempt(victim)
+            while not self.blocks.can_allocate(need) and self.running[-1] is not req:
+                self._preempt(self.running[-1])
                 out.num_preempted += 1
             if not self.blocks.can_allocate(need):
-                if id(req) not in scheduled and req is self.running[-1] and len(self.running) > 1:
+                # Every later request is preempted and there is still no room: this one goes
+                # too (a lone request always fits: the pool holds max_model_len at start-up).
+                if len(self.running) > 1:
                     self._preempt(req)
                     out.num_preempted += 1
                     continue
                 i += 1
                 continue
             self._add_row(out, req, n, need)
-            scheduled.add(id(req))
             budget -= n
             i += 1
 
@@ -173,7 +170,6 @@ class Scheduler:
                 out.new_slots.append(req)
                 self.running.append(req)
                 self._add_row(out, req, n, need)
-                scheduled.add(id(req))
                 budget -= n
         return out
 
