@@ -255,11 +255,11 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
         max_num_batched_tokens=max(max_b * args.prompt_len, max_len),  # every prefill in one step
         max_model_len=max_len, block_size=bs, num_kv_blocks=max_b * (max_len // bs) + 8,
         async_token_handoff=mode, enable_cuda_graph=True, cuda_graph_max_batch=max_b,
-        load_format="dummy" if spec.dummy else "safetensors")
+        pipeline_parallel_size=args.pp, load_format="dummy" if spec.dummy else "safetensors")
     t_init = time.perf_counter()
     eng = LLMEngine(cfg)
     t_init = time.perf_counter() - t_init
-    impl = "engine async" if eng.async_enabled else "engine sync"
+    impl = ("engine async" if eng.async_enabled else "engine sync") + (f" pp{args.pp}" if args.pp > 1 else "")
     print(f"  {impl}: engine ready in {t_init:.1f} s", file=sys.stderr, flush=True)
     if mode == "on":
         assert eng.async_enabled, eng.decision
@@ -387,6 +387,8 @@ def parse_args(argv=None):
     ap.add_argument("--impls", default=None,
                     help="comma list of hf (generate), cb (generate_batch), sync, async; "
                          "default hf,sync,async on CPU (CB sizes its cache slowly there), hf,cb,sync,async on CUDA")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline_parallel_size of our engine (one GPU per stage: issue 6's two-GPU run)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU)")
     ap.add_argument("--hf-compile", action="store_true",
                     help="CUDA: let HF generate auto-compile its static-cache decode step. Off by default: "
