@@ -41,7 +41,30 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
             return ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         return ta.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                           meta.block_tables, scale, meta.max_q_len)
+    if meta.is_decode and len(meta.seq_lens_host) > 1:
+        return reference_decode_attention(q, k_cache, v_cache, meta, scale)
     return reference_paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def reference_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """Decode rows (one query each) in one batched SDPA: every row's KV gathered through its
+    block table up to the longest row, the tail masked. The CPU path's decode steps; the
+    per-sequence loop below is the reference it must match."""
+    bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    hq = q.shape[1]
+    seq_lens = torch.tensor(meta.seq_lens_host)
+    max_len = max(int(seq_lens.max()), 1)
+    nblk = (max_len + bs - 1) // bs
+    blocks = meta.block_tables[:, :nblk].long()                      # [S, nblk]
+    k = k_cache[blocks].reshape(len(seq_lens), -1, hkv, d)[:, :max_len]  # [S, L, Hkv, D]
+    v = v_cache[blocks].reshape(len(seq_lens), -1, hkv, d)[:, :max_len]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=2)
+        v = v.repeat_interleave(hq // hkv, dim=2)
+    mask = (torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]  # [S,1,1,L]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)   # [S, Hq, 1, D]
+    return o.squeeze(2)
 
 
 def reference_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
