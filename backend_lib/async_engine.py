@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from .config import EngineConfig
 from .engine import EngineStats, LLMEngine
-from .request import FinishReason, RequestOutput, SamplingParams, validate_prompt
+from .request import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger("backend_lib")
 
@@ -97,8 +97,7 @@ class AsyncEngine:
                     callback: Optional[Callback] = None) -> RequestStream:
         if not self.is_healthy():
             raise RuntimeError(f"engine is not healthy: {self.error!r}")
-        ids = validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
-        params.validate(self.max_model_len, self.vocab_size, self.config.max_stop_token_ids)
+        ids = self.engine.validate(prompt_token_ids, params)  # errors raise here, synchronously
         stream = RequestStream(request_id)
         with self._lock:
             if self._stopping:

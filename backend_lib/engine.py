@@ -110,9 +110,15 @@ class LLMEngine:
         return _cuda_kv_blocks(cfg, hf)
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The request checks against this engine's limits (ValueError names the field);
+        returns the prompt as a list."""
         ids = validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         params.validate(self.max_model_len, self.vocab_size, self.config.max_stop_token_ids)
+        return ids
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        ids = self.validate(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, effective_seed=seed)
         self.scheduler.add(req)
@@ -161,8 +167,7 @@ class LLMEngine:
         # Validate everything before adding anything: a bad prompt must not leave the ones
         # before it running in the engine with nobody collecting their outputs.
         for p, sp in zip(prompts, plist):
-            validate_prompt(p, self.max_model_len, self.vocab_size)
-            sp.validate(self.max_model_len, self.vocab_size, self.config.max_stop_token_ids)
+            self.validate(p, sp)
         base = f"gen-{os.getpid()}-{id(prompts)}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         for rid, p, sp in zip(ids, prompts, plist):
