@@ -38,9 +38,6 @@ class StepHandle:
     keepalive: tuple = field(default_factory=tuple)  # tensors the step reads stay alive
     _tokens: Optional[list[int]] = None
 
-    def ready(self) -> bool:
-        return self._tokens is not None or self.done.query()
-
     def get(self) -> list[int]:
         if self._tokens is None:
             self.done.synchronize()  # torch releases the GIL while it waits

@@ -330,9 +330,6 @@ class PipelineStepHandle:
         self._ex = ex
         self.inner: Optional[StepHandle] = None
 
-    def ready(self) -> bool:
-        return self.inner is not None and self.inner.ready()
-
     def get(self) -> list[int]:
         if self.inner is None:
             self._ex._resolve_through(self)
