@@ -26,7 +26,8 @@ What is in a tiny model folder:
   UTF-8 characters split across tokens).  Special tokens: ``<unk>``=0, ``<s>``=1 (bos),
   ``</s>``=2 (eos), ``<pad>``=3.  **No bos/eos is added automatically** when encoding
   (``add_bos_token`` is false): ``tok.encode(s)`` returns exactly the ids of ``s``, and
-  ``tok.decode(tok.encode(s)) == s`` for any string.
+  ``tok.decode(tok.encode(s)) == s`` for any string.  ``chat_template`` renders
+  ``<|role|>\\n{content}</s>\\n`` per message (+ ``<|assistant|>\\n`` as generation prompt).
 * ``.make_model.json``: the stamp.  It holds a hash of every parameter that determines the
   output (this file's parameter tables, the corpus bytes, SCRIPT_VERSION); a folder whose
   stamp matches is left alone, so the script is idempotent and cheap to call.
@@ -71,6 +72,15 @@ TOKENIZER_PARAMS = {
     "min_frequency": 2,
     "special_tokens": SPECIAL_TOKENS,
     "model_max_length": 2048,
+    # A plain role-tagged chat format (``<|role|>`` line, content, ``</s>``) so that chat
+    # clients (the OpenAI frontend's /v1/chat/completions) work on the default model; part of
+    # the stamp's hash, so editing it rebuilds the folders.
+    "chat_template": (
+        "{% for message in messages %}"
+        "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '</s>\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    ),
 }
 
 # ----------------------------------------------------------------------------- tiny archs
@@ -354,6 +364,7 @@ def save_tokenizer(tok, out_dir: Path) -> int:
     tc["add_bos_token"] = False
     tc["add_eos_token"] = False
     tc["clean_up_tokenization_spaces"] = False
+    tc["chat_template"] = TOKENIZER_PARAMS["chat_template"]
     _write_json(tc_path, tc)
     if not (out_dir / "special_tokens_map.json").exists():
         _write_json(

@@ -89,6 +89,19 @@ def test_tokenizer_roundtrip_and_no_auto_bos(tiny_llama_path, tiny_qwen3_path, l
     assert llama_tok.convert_ids_to_tokens([0, 1, 2, 3]) == ["<unk>", "<s>", "</s>", "<pad>"]
 
 
+def test_chat_template(tiny_llama_path, tiny_qwen3_path):
+    """The default models ship a chat template (the OpenAI frontend's chat route uses it)."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for path in (tiny_llama_path, tiny_qwen3_path):
+        tok = AutoTokenizer.from_pretrained(str(path))
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert text == "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"
+        ids = tok.encode(text)
+        assert ids.count(tok.eos_token_id) == 2 and tok.decode(ids) == text
+        no_prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        assert no_prompt == "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n"
+
+
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen3_path"])
 def test_greedy_generation_varied(name, request):
     path = request.getfixturevalue(name)
