@@ -8,7 +8,7 @@ MODELS_DIR := models
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup model test bench bench-gpu serve serve-docker perf genai-perf clean distclean
+.PHONY: help setup model test bench bench-gpu bench-serve serve serve-docker perf genai-perf clean distclean
 
 help:
 	@echo "make serve      start tritonserver on the model repository (scripts/serve.sh)"
@@ -18,6 +18,8 @@ help:
 	@echo "make model      build the tiny test models under $(MODELS_DIR)/ (idempotent)"
 	@echo "make bench      decode benchmark (python -m bench.decode)"
 	@echo "make bench-gpu  decode benchmark on CUDA"
+	@echo "make bench-serve serving benchmark: tritonserver + perf_analyzer vs in-process vs steady decode"
+	@echo "                (bench/serve.py; CPU smoke with the tiny model unless BENCH_SERVE_ARGS says otherwise)"
 	@echo "make perf       perf_analyzer run (scripts/perf.sh)"
 	@echo "make genai-perf genai-perf in its own venv build/genai-venv, short offline profile (scripts/genai_perf.sh)"
 	@echo "make clean      remove models, caches and outputs (keeps .venv); distclean also removes .venv"
@@ -48,6 +50,13 @@ bench: setup model
 
 bench-gpu: setup model
 	$(VPY) -m bench.decode --device cuda
+
+# The serving benchmark (bench/serve.py). On a GPU machine with Triton installed:
+#   make bench-serve BENCH_SERVE_ARGS="--preset qwen2.5-0.5b --device cuda"
+# (the lent GPU has no Triton: bash bench/serve.sh, carrying the bundle of bench/gpu_bundle.sh)
+BENCH_SERVE_ARGS ?= --smoke
+bench-serve: setup model
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VPY) -m bench.serve $(BENCH_SERVE_ARGS)
 
 serve: setup model
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/serve.sh

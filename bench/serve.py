@@ -1,0 +1,718 @@
+"""Serving benchmark: the real tritonserver driven by perf_analyzer, beside the in-process
+closed loop (AsyncEngine) and steady decode of the same engine configuration, in one run.
+
+    python -m bench.serve --preset qwen2.5-0.5b --device cuda --out-dir $OUT     (the lent GPU:
+        bash bench/serve.sh, which unpacks the carried Triton bundle first)
+    python -m bench.serve --smoke --out-dir /tmp/serve                           (CPU, tiny model:
+        `make bench-serve`; tests/server/test_bench_serve.py runs the same, smaller)
+
+What runs, in this order (one engine configuration for every part, `engine_params`):
+  1. Triton: tritonserver on a temporary repository holding only `llm`, its config.pbtxt
+     parameters replaced by the engine's (plus the variant's glue/engine overrides, one server per
+     --variant). perf_analyzer drives it: gRPC, --streaming, closed loop (--concurrency-range c),
+     its --input-data JSON holding the workload's requests (token ids, max_tokens, ignore_eos,
+     the sampling's temperature/top_p), c (>= 4) warm-up requests, then max(--min-requests,
+     c * --rounds) measured ones. Timings from its --profile-export-file.
+  2. In-process: the same closed loop on AsyncEngine with the output callback (the thread
+     Triton's sender runs on), same requests, same warm-up.
+  3. Steady decode, same engine: the fixed workload's batch of c requests submitted at once;
+     the step time is measured over the window where all c are decoding (from the last first
+     token to the first finish): window / (tokens each request got in it).
+  4. The mixed workload (issue 13): --mixed-requests requests (prompts and outputs uniform in
+     --mixed-prompt / --mixed-output, greedy, ignore_eos) submitted at once, AsyncEngine with
+     async_token_handoff on vs off: output tok/s.
+
+Workloads: "fixed" (every prompt --prompt-len tokens, --output-len output tokens) and "mixed"
+(lengths uniform in the --mixed-* ranges; a deterministic set cycled through in order).
+Samplings: "greedy" (temperature 0) and "top_p" (temperature 0.7, top_p 0.9). ignore_eos always.
+
+Per request: TTFT = first response - send; TPOT = (last response - first response) / (tokens - 1)
+(client-side: perf_analyzer's response timestamps, the callback's clock in-process); p50/p99
+over requests. Output tok/s = tokens / (last response - first send). Errors = failed requests
+(the server's nv_inference_request_failure delta and perf_analyzer's exit status) + requests
+whose token count is not their max_tokens. GPU busy = mean nvidia-smi utilization.gpu sampled
+every 100 ms over the point (CUDA only).
+
+Output: the markdown table on stdout and serve.md, every row in serve.json (--out-dir).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+SAMPLINGS = {"greedy": {"temperature": 0.0, "top_p": 1.0},
+             "top_p": {"temperature": 0.7, "top_p": 0.9}}
+LLM_CONFIG = REPO_ROOT / "model_repository" / "llm" / "config.pbtxt"
+
+
+def log(msg: str) -> None:
+    print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _pct(xs: list[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+# ---- engine configuration --------------------------------------------------------------------
+
+def shipped_parameters() -> dict[str, str]:
+    """The `llm` model's config.pbtxt parameters, as shipped."""
+    text = LLM_CONFIG.read_text()
+    return dict(re.findall(r'^parameters \{ key: "([^"]+)" value: \{ string_value: "([^"]*)" \} \}', text, re.M))
+
+
+def engine_params(args, model_path: str) -> dict[str, str]:
+    """The engine configuration of every part of the run, as llm model parameters (strings):
+    the shipped config (engine "shipped") or its large-batch variant (engine "large": 256
+    sequences, 8192-token budget, graphs up to 256), sized so that the run's longest request
+    fits (max_model_len) and every running sequence has its blocks (num_kv_blocks)."""
+    p = {k: v for k, v in shipped_parameters().items() if k not in _glue_parameter_names()}
+    if args.engine == "large":
+        p.update(max_num_seqs="256", max_num_batched_tokens="8192", cuda_graph_max_batch="256")
+    bs = int(p["block_size"])
+    longest = max(args.prompt_len + args.output_len, args.mixed_prompt[1] + args.mixed_output[1])
+    max_len = (longest + bs) // bs * bs
+    p.update(model_path=str(Path(model_path).resolve()), device=args.device, dtype=args.dtype,
+             load_format=args.load_format, max_model_len=str(max_len))
+    for kv in args.set or []:
+        k, v = kv.split("=", 1)
+        p[k] = v
+    if p.get("num_kv_blocks", "0") == "0":
+        p["num_kv_blocks"] = str(int(p["max_num_seqs"]) * (int(p["max_model_len"]) // bs) + 16)
+    return p
+
+
+def _glue_parameter_names() -> set[str]:
+    from triton_glue.config import GLUE_PARAMETERS
+    return set(GLUE_PARAMETERS)
+
+
+# ---- workloads -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Req:
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+def workload(name: str, args, vocab: int, n: int, seed: int = 0) -> list[Req]:
+    rng = random.Random(f"{name}-{seed}")
+    hi = min(vocab, 32000)
+
+    def prompt(k: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(10, hi) for _ in range(k))
+
+    if name == "fixed":
+        return [Req(prompt(args.prompt_len), args.output_len) for _ in range(n)]
+    if name == "mixed":
+        (p0, p1), (o0, o1) = args.mixed_prompt, args.mixed_output
+        return [Req(prompt(rng.randint(p0, p1)), rng.randint(o0, o1)) for _ in range(n)]
+    raise ValueError(f"unknown workload {name!r} (fixed | mixed)")
+
+
+def sampling_params(sampling: str, max_tokens: int):
+    from backend_lib import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **SAMPLINGS[sampling])
+
+
+# ---- one measured point ------------------------------------------------------------------------
+
+@dataclass
+class Record:
+    t_send: float
+    t_first: Optional[float] = None
+    t_last: Optional[float] = None
+    ntok: int = 0
+    expected: int = 0
+    responses: int = 0
+    error: Optional[str] = None
+    times: list = field(default_factory=list)   # steady decode only: every token's arrival
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ntok == self.expected
+
+
+def row_from(path: str, workload_name: str, sampling: str, conc: int, recs: list[Record],
+             gpu_busy: Optional[float], failures: int = 0, **extra) -> dict:
+    good = [r for r in recs if r.t_first is not None]
+    ttft = [(r.t_first - r.t_send) * 1e3 for r in good]
+    tpot = [(r.t_last - r.t_first) / (r.ntok - 1) * 1e3 for r in good if r.ntok > 1]
+    tokens = sum(r.ntok for r in recs)
+    wall = (max(r.t_last for r in good) - min(r.t_send for r in recs)) if good else 0.0
+    row = {"path": path, "workload": workload_name, "sampling": sampling, "concurrency": conc,
+           "requests": len(recs), "errors": failures + sum(1 for r in recs if not r.ok),
+           "output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall if wall > 0 else 0.0,
+           "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
+           "tpot_ms_p50": _pct(tpot, 0.5), "tpot_ms_p99": _pct(tpot, 0.99),
+           "tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
+           "responses_per_req": statistics.fmean(r.responses for r in recs) if recs else 0.0,
+           "gpu_busy": gpu_busy}
+    row.update(extra)
+    bad = [r for r in recs if not r.ok][:3]
+    if bad:
+        row["error_examples"] = [f"{r.ntok}/{r.expected} tokens, error={r.error}" for r in bad]
+    return row
+
+
+def _progress(row: dict) -> None:
+    f = lambda v, s: "n/a" if v is None else format(v, s)  # noqa: E731
+    log(f"  {row['path']:28s} {row['workload']:5s} {row['sampling']:6s} c={row['concurrency']:<4d} "
+        f"n={row['requests']:<4d} err={row['errors']} tok/s={row['tok_s']:.0f} "
+        f"TTFT p50={f(row['ttft_ms_p50'], '.1f')} TPOT p50={f(row['tpot_ms_p50'], '.3f')} "
+        f"p99={f(row['tpot_ms_p99'], '.3f')} ms busy={f(row['gpu_busy'], '.2f')}")
+
+
+class GpuBusy:
+    """nvidia-smi utilization.gpu, sampled every 100 ms in the background; mean(t0, t1) is the
+    busy fraction over a window. None where nvidia-smi is absent (CPU)."""
+
+    def __init__(self, enabled: bool):
+        self.samples: list[tuple[float, float]] = []
+        self.proc = None
+        if enabled and shutil.which("nvidia-smi"):
+            gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "-i", gpu, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.samples.append((time.perf_counter(), float(line.strip()) / 100.0))
+            except ValueError:
+                pass
+
+    def mean(self, t0: float, t1: float) -> Optional[float]:
+        xs = [v for t, v in list(self.samples) if t0 <= t <= t1]
+        return statistics.fmean(xs) if xs else None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+# ---- in-process --------------------------------------------------------------------------------
+
+def closed_loop(eng, reqs: list[Req], sampling: str, conc: int, total: int, tag: str,
+                keep_times: bool = False) -> list[Record]:
+    """A fixed number of requests in flight (a finished one is replaced at once, as
+    perf_analyzer's --concurrency-range does); requests taken from `reqs` in order."""
+    lock, done = threading.Lock(), threading.Event()
+    recs: dict[str, Record] = {}
+    finished: list[Record] = []
+    nxt = [0]
+
+    def submit() -> None:
+        i = nxt[0]
+        nxt[0] += 1
+        r = reqs[i % len(reqs)]
+        rid = f"{tag}-{i}"
+        recs[rid] = Record(time.perf_counter(), expected=r.max_tokens)
+        eng.add_request(rid, list(r.prompt), sampling_params(sampling, r.max_tokens), callback=cb)
+
+    def cb(out) -> None:
+        now = time.perf_counter()
+        with lock:
+            rec = recs[out.request_id]
+            if out.new_token_ids:
+                rec.t_first = rec.t_first or now
+                rec.t_last = now
+                rec.ntok += len(out.new_token_ids)
+                rec.responses += 1
+                if keep_times:
+                    rec.times.extend([now] * len(out.new_token_ids))
+            if out.finished:
+                rec.error = out.error
+                finished.append(rec)
+                if nxt[0] < total:
+                    submit()
+                elif len(finished) == total:
+                    done.set()
+
+    with lock:
+        for _ in range(min(conc, total)):
+            submit()
+    if not done.wait(900):
+        raise TimeoutError(f"in-process run {tag} did not finish ({len(finished)}/{total})")
+    return finished
+
+
+def steady_step(recs: list[Record]) -> tuple[Optional[float], int]:
+    """Step time while the whole batch decodes: from the moment every request has its first
+    token to the first finish, divided by the tokens each request got in that window (one per
+    step; the median over requests)."""
+    t0 = max(r.times[0] for r in recs)
+    t1 = min(r.times[-1] for r in recs)
+    steps = statistics.median_low([sum(1 for t in r.times if t0 < t <= t1) for r in recs])
+    return ((t1 - t0) / steps * 1e3 if steps > 0 else None), steps
+
+
+def new_engine(params: dict[str, str], **overrides):
+    from backend_lib import AsyncEngine, EngineConfig
+    cfg = EngineConfig.from_parameters(dict(params, **overrides))
+    t = time.perf_counter()
+    eng = AsyncEngine(cfg)
+    log(f"in-process engine ready in {time.perf_counter() - t:.1f} s "
+        f"(async handoff {'on' if eng.engine.async_enabled else 'off'})")
+    return eng
+
+
+def free_engine(eng) -> None:
+    eng.shutdown()
+    del eng
+    gc.collect()
+    try:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_inprocess(args, params, vocab, busy: GpuBusy) -> list[dict]:
+    rows = []
+    eng = new_engine(params)
+    try:
+        for wl in args.workloads:
+            reqs = workload(wl, args, vocab, args.distinct_requests)
+            for sampling in args.samplings:
+                for c in args.concurrency:
+                    tag = f"ip-{wl}-{sampling}-{c}"
+                    closed_loop(eng, reqs, sampling, c, max(c, args.warmup), tag + "-warm")
+                    n = max(args.min_requests, c * args.rounds)
+                    t0 = time.perf_counter()
+                    recs = closed_loop(eng, reqs, sampling, c, n, tag)
+                    row = row_from("in-process AsyncEngine", wl, sampling, c, recs,
+                                   busy.mean(t0, time.perf_counter()))
+                    rows.append(row)
+                    _progress(row)
+        # steady decode of the same engine: batch c of the fixed workload, all at once
+        reqs = workload("fixed", args, vocab, max(args.concurrency), seed=1)
+        for sampling in args.samplings:
+            for c in args.concurrency:
+                tag = f"steady-{sampling}-{c}"
+                closed_loop(eng, reqs[:c], sampling, c, c, tag + "-warm")
+                t0 = time.perf_counter()
+                recs = closed_loop(eng, reqs[:c], sampling, c, c, tag, keep_times=True)
+                step_ms, steps = steady_step(recs)
+                row = row_from("steady decode (same engine)", "fixed", sampling, c, recs,
+                               busy.mean(t0, time.perf_counter()), steady_steps=steps)
+                # the steady row's TPOT and tok/s are the batch's step time, not per request
+                row.update(tpot_ms_p50=step_ms, tpot_ms_p99=None, tpot_ms_mean=step_ms,
+                           tok_s=c / step_ms * 1e3 if step_ms else 0.0, ttft_ms_p50=None, ttft_ms_p99=None)
+                rows.append(row)
+                _progress(row)
+    finally:
+        free_engine(eng)
+    return rows
+
+
+def run_mixed_burst(args, params, vocab, busy: GpuBusy) -> list[dict]:
+    """The issue-13 mixed workload: every request submitted at once, async vs sync handoff."""
+    rows = []
+    reqs = workload("mixed", args, vocab, args.mixed_requests, seed=2)
+    for mode in ("on", "off"):
+        eng = new_engine(params, async_token_handoff=mode)
+        try:
+            closed_loop(eng, reqs[:args.warmup], "greedy", args.warmup, args.warmup, f"burst-{mode}-warm")
+            t0 = time.perf_counter()
+            recs = closed_loop(eng, reqs, "greedy", len(reqs), len(reqs), f"burst-{mode}")
+            row = row_from(f"in-process, async handoff {mode}", "burst", "greedy", len(reqs), recs,
+                           busy.mean(t0, time.perf_counter()),
+                           async_enabled=bool(eng.engine.async_enabled))
+            rows.append(row)
+            _progress(row)
+        finally:
+            free_engine(eng)
+    return rows
+
+
+# ---- Triton --------------------------------------------------------------------------------------
+
+def make_repository(root: Path, params: dict[str, str]) -> Path:
+    """root/llm: model_repository/llm whose parameters are `params` (others kept as shipped)."""
+    dst = root / "llm"
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(REPO_ROOT / "model_repository" / "llm", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = (dst / "config.pbtxt").read_text()
+    for k, v in params.items():
+        line = f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}'
+        pat = re.compile(r'^parameters \{ key: "' + re.escape(k) + r'" .*$', re.M)
+        cfg, n = pat.subn(line.replace("\\", "\\\\"), cfg)
+        if n == 0:
+            cfg += line + "\n"
+    (dst / "config.pbtxt").write_text(cfg)
+    return root
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class TritonServer:
+    def __init__(self, repo: Path, log_path: Path, start_timeout_s: float):
+        from triton_glue import launch
+        inst = launch.find_triton()
+        backend_dir = launch.prepare_backend_dir(inst)
+        self.http, self.grpc, self.metrics = _free_ports(3)
+        opts = launch.ServerOptions(model_repository=repo, http_port=self.http, grpc_port=self.grpc,
+                                    metrics_port=self.metrics, address="127.0.0.1", access_key="",
+                                    exit_timeout_s=30)
+        env = launch.server_env(inst)
+        env["TRITON_HTTP_PORT"] = str(self.http)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(launch.server_argv(inst, backend_dir, opts), env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        t0 = time.monotonic()
+        while not self._ready():
+            if self.proc.poll() is not None or time.monotonic() - t0 > start_timeout_s:
+                self.stop()
+                raise RuntimeError(f"tritonserver not ready (rc={self.proc.returncode}):\n{self.log_tail()}")
+            time.sleep(0.5)
+        log(f"tritonserver ready in {time.monotonic() - t0:.1f} s (grpc {self.grpc})")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/models/llm/ready", timeout=2) as r:
+                return r.status == 200
+        except Exception:  # noqa: BLE001
+            return False
+
+    def failures(self) -> float:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except Exception:  # noqa: BLE001
+            return float("nan")
+        return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+                   if l.startswith("nv_inference_request_failure{") and 'model="llm"' in l)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        try:  # the server leads its own group: Python stubs it left behind
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+
+
+def perf_analyzer_input(reqs: list[Req], sampling: str) -> dict:
+    s = SAMPLINGS[sampling]
+    return {"data": [{"input_ids": {"content": list(r.prompt), "shape": [len(r.prompt)]},
+                      "max_tokens": [r.max_tokens], "stream": [True], "exclude_input_in_output": [True],
+                      "ignore_eos": [True], "temperature": [s["temperature"]], "top_p": [s["top_p"]]}
+                     for r in reqs]}
+
+
+def _count_ids(v) -> int:
+    """Tokens in one exported output_ids: a list, a bare number (one token) or "" (none)."""
+    if isinstance(v, list):
+        return len(v)
+    return 1 if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+
+def records_from_profile(path: Path) -> list[Record]:
+    """perf_analyzer's profile export -> one Record per request (ns timestamps -> s); tokens
+    counted from the streamed output_ids, expected from the request's max_tokens."""
+    d = json.loads(path.read_text())
+    recs = []
+    for exp in d.get("experiments", []):
+        for r in exp.get("requests", []):
+            ts = [t / 1e9 for t in r.get("response_timestamps") or []]
+            outs = r.get("response_outputs") or []
+            ntok = sum(_count_ids(o.get("output_ids")) for o in outs)
+            mt = (r.get("request_inputs") or {}).get("max_tokens")
+            rec = Record(r["timestamp"] / 1e9, expected=int(mt[0] if isinstance(mt, list) else mt or 0),
+                         ntok=ntok, responses=len(ts))
+            # the last response may be an empty FINAL: the last token came with the one before
+            tok_ts = [t for t, o in zip(ts, outs) if _count_ids(o.get("output_ids"))] if outs else ts
+            if tok_ts:
+                rec.t_first, rec.t_last = tok_ts[0], tok_ts[-1]
+            recs.append(rec)
+    return recs
+
+
+def run_triton(args, params, vocab, busy: GpuBusy, work: Path) -> list[dict]:
+    rows = []
+    for name, overrides in args.variants:
+        label = "Triton" + (f" {name}" if name else "")
+        repo = make_repository(work / f"repo-{name or 'default'}", dict(params, **overrides))
+        srv = TritonServer(repo, args.out_dir / f"server-{name or 'default'}.log", args.start_timeout)
+        try:
+            for wl in args.workloads:
+                reqs = workload(wl, args, vocab, args.distinct_requests)
+                for sampling in args.samplings:
+                    data = work / f"input-{wl}-{sampling}.json"
+                    data.write_text(json.dumps(perf_analyzer_input(reqs, sampling)))
+                    for c in args.concurrency:
+                        rows.append(perf_point(args, srv, label, wl, sampling, c, data, busy, work))
+                        _progress(rows[-1])
+        finally:
+            srv.stop()
+        tracebacks = [l for l in srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
+        if tracebacks:
+            log(f"server log has {len(tracebacks)} Traceback(s): {srv.log_path}")
+            for r in rows:
+                if r["path"] == label:
+                    r["server_tracebacks"] = len(tracebacks)
+    return rows
+
+
+def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy: GpuBusy, work: Path) -> dict:
+    n = max(args.min_requests, c * args.rounds)
+    warm = max(c, args.warmup)
+    prof = work / f"profile-{label.replace(' ', '_')}-{wl}-{sampling}-{c}.json"
+    prof.unlink(missing_ok=True)
+    cmd = [args.perf_analyzer, "-m", "llm", "-u", f"127.0.0.1:{srv.grpc}", "-i", "grpc", "--streaming",
+           "--input-data", str(data), "--concurrency-range", str(c), "--request-count", str(n),
+           "--warmup-request-count", str(warm), "--measurement-interval", "600000",
+           "--profile-export-file", str(prof)]
+    fail0 = srv.failures()
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
+        rc, out = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = 124, f"perf_analyzer timed out after {args.point_timeout} s\n{e.stdout or ''}"
+    gpu = busy.mean(t0, time.perf_counter())
+    failures = srv.failures() - fail0
+    recs = records_from_profile(prof) if prof.exists() else []
+    (args.out_dir / f"pa-{label.replace(' ', '_')}-{wl}-{sampling}-{c}.txt").write_text(" ".join(cmd) + "\n" + out)
+    extra = {}
+    if rc != 0 or not recs:
+        extra["perf_analyzer_rc"] = rc
+        extra["perf_analyzer_tail"] = out[-800:]
+        log(f"perf_analyzer rc={rc}: {out[-400:]}")
+    # failed requests: the server's count, plus a failed perf_analyzer run (or none recorded)
+    failed = int(failures) if failures == failures else 0
+    failed += (1 if rc != 0 else 0) + (0 if recs else n)
+    return row_from(label, wl, sampling, c, recs, gpu, failures=failed, **extra)
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+def _f(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    """One table: per (workload, sampling, concurrency) the steady step, in-process, Triton
+    rows; TPOT p50 against in-process, tok/s against steady decode at the same batch."""
+    steady = {(r["sampling"], r["concurrency"]): r for r in rows if r["path"].startswith("steady")}
+    inproc = {(r["workload"], r["sampling"], r["concurrency"]): r for r in rows if r["path"] == "in-process AsyncEngine"}
+    order = {"steady decode (same engine)": 0, "in-process AsyncEngine": 1}
+    lines = [header, "",
+             "| workload | sampling | concurrency | path | requests | errors | output tok/s | x steady tok/s | "
+             "TTFT ms p50 | p99 | TPOT ms p50 | p99 | TPOT p50 x in-process | TPOT p50 x steady step | "
+             "GPU busy | responses/request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    loop_rows = [r for r in rows if r["workload"] != "burst"]
+    wl_order = {"fixed": 0, "mixed": 1}
+    for r in sorted(loop_rows, key=lambda r: (wl_order.get(r["workload"], 9), r["sampling"], r["concurrency"],
+                                              order.get(r["path"], 2), r["path"])):
+        # steady decode runs the fixed shape: a reference for the fixed workload only
+        st = steady.get((r["sampling"], r["concurrency"])) if r["workload"] == "fixed" else None
+        ip = inproc.get((r["workload"], r["sampling"], r["concurrency"]))
+        x_ip = (r["tpot_ms_p50"] / ip["tpot_ms_p50"]) if ip and ip["tpot_ms_p50"] and r["tpot_ms_p50"] else None
+        x_st = (r["tpot_ms_p50"] / st["tpot_ms_p50"]) if st and st["tpot_ms_p50"] and r["tpot_ms_p50"] else None
+        x_tok = (r["tok_s"] / st["tok_s"]) if st and st["tok_s"] else None
+        lines.append(f"| {r['workload']} | {r['sampling']} | {r['concurrency']} | {r['path']} | {r['requests']} | "
+                     f"{r['errors']} | {r['tok_s']:.0f} | {_f(x_tok, '.2f')} | {_f(r['ttft_ms_p50'], '.1f')} | "
+                     f"{_f(r['ttft_ms_p99'], '.1f')} | {_f(r['tpot_ms_p50'], '.3f')} | {_f(r['tpot_ms_p99'], '.3f')} | "
+                     f"{_f(x_ip, '.2f')} | {_f(x_st, '.2f')} | {_f(r['gpu_busy'], '.2f')} | "
+                     f"{r['responses_per_req']:.1f} |")
+    burst = [r for r in rows if r["workload"] == "burst"]
+    if burst:
+        sync = next((r for r in burst if r["path"].endswith("off")), None)
+        lines += ["", "Mixed workload, every request submitted at once (greedy, ignore_eos):", "",
+                  "| path | requests | errors | output tokens | wall s | output tok/s | x sync | TTFT ms p50 | "
+                  "TPOT ms p50 | p99 | GPU busy |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in burst:
+            x = r["tok_s"] / sync["tok_s"] if sync and sync["tok_s"] else None
+            lines.append(f"| {r['path']} | {r['requests']} | {r['errors']} | {r['output_tokens']} | "
+                         f"{r['wall_s']:.2f} | {r['tok_s']:.0f} | {_f(x, '.2f')} | {_f(r['ttft_ms_p50'], '.1f')} | "
+                         f"{_f(r['tpot_ms_p50'], '.3f')} | {_f(r['tpot_ms_p99'], '.3f')} | {_f(r['gpu_busy'], '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def _int_list(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _range(s: str) -> tuple[int, int]:
+    a, b = s.split("-")
+    return int(a), int(b)
+
+
+def _variant(s: str) -> tuple[str, dict[str, str]]:
+    """NAME or NAME:key=value,key=value (llm parameters for that server)."""
+    name, _, kvs = s.partition(":")
+    return name, dict(kv.split("=", 1) for kv in kvs.split(",") if kv)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="qwen2.5-0.5b | llama-3-8b: random weights of that shape (load_format dummy)")
+    src.add_argument("--model", help="a checkpoint folder (default models/tiny-llama)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, tiny model, tiny sizes (make bench-serve, the make-test smoke test)")
+    ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda with --preset, else cpu)")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--engine", choices=("shipped", "large"), default=None,
+                    help="shipped: the llm model's config.pbtxt; large: 256 sequences, 8192-token budget "
+                         "(default: large on cuda, shipped on cpu)")
+    ap.add_argument("--set", action="append", help="KEY=VALUE engine parameter override (repeatable)")
+    ap.add_argument("--variant", action="append", type=_variant, dest="variants",
+                    help="NAME[:k=v,...]: one Triton server per variant with these llm parameters "
+                         "(e.g. 'coalesce-off:stream_coalesce=off'); default one, as configured")
+    ap.add_argument("--parts", default="triton,inproc,burst", help="comma list of triton, inproc, burst")
+    ap.add_argument("--concurrency", type=_int_list, default=None, help="default 1,16,64,256 (cpu: 1,4)")
+    ap.add_argument("--workloads", default="fixed,mixed", help="fixed, mixed")
+    ap.add_argument("--samplings", default="greedy,top_p", help="greedy, top_p")
+    ap.add_argument("--prompt-len", type=int, default=None, help="fixed workload (default 256; smoke 16)")
+    ap.add_argument("--output-len", type=int, default=None, help="fixed workload (default 128; smoke 8)")
+    ap.add_argument("--mixed-prompt", type=_range, default=None, help="default 16-1024 (smoke 4-32)")
+    ap.add_argument("--mixed-output", type=_range, default=None, help="default 16-512 (smoke 2-12)")
+    ap.add_argument("--mixed-requests", type=int, default=None, help="burst size (default 512; smoke 24)")
+    ap.add_argument("--distinct-requests", type=int, default=64, help="requests in a workload set (cycled)")
+    ap.add_argument("--rounds", type=int, default=None, help="measured requests per point: c * rounds "
+                                                               "(default 4; smoke 2)")
+    ap.add_argument("--min-requests", type=int, default=None, help="at least this many (default 16; smoke 4)")
+    ap.add_argument("--warmup", type=int, default=4, help="warm-up requests per point (at least c)")
+    ap.add_argument("--perf-analyzer", default=os.environ.get("PA") or str(REPO_ROOT / "build" / "bin" / "perf_analyzer"))
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--point-timeout", type=float, default=300.0)
+    ap.add_argument("--model-dir", default="/tmp/bench-models", help="where preset config folders go")
+    ap.add_argument("--keep-work", action="store_true", help="keep the temporary folder (repositories, "
+                    "perf_analyzer inputs and profile exports)")
+    ap.add_argument("--out-dir", default=os.environ.get("OUT") or str(REPO_ROOT / "build" / "serve_out"))
+    a = ap.parse_args(argv)
+    gpu = a.device == "cuda" or (a.device is None and a.preset and not a.smoke)
+    a.device = a.device or ("cuda" if gpu else "cpu")
+    a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    a.engine = a.engine or ("large" if a.device == "cuda" else "shipped")
+    small = a.smoke or a.device == "cpu"
+    defaults = dict(concurrency=[1, 4] if small else [1, 16, 64, 256], prompt_len=16 if small else 256,
+                    output_len=8 if small else 128, mixed_prompt=(4, 32) if small else (16, 1024),
+                    mixed_output=(2, 12) if small else (16, 512), mixed_requests=24 if small else 512,
+                    rounds=2 if small else 4, min_requests=4 if small else 16)
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.parts = set(a.parts.split(","))
+    a.workloads = [w for w in a.workloads.split(",") if w]
+    a.samplings = [s for s in a.samplings.split(",") if s]
+    for s in a.samplings:
+        if s not in SAMPLINGS:
+            ap.error(f"--samplings: {s!r} is not one of {sorted(SAMPLINGS)}")
+    a.variants = a.variants or [("", {})]
+    a.load_format = "dummy" if a.preset else "safetensors"
+    a.out_dir = Path(a.out_dir)
+    return a
+
+
+def resolve_model(a) -> str:
+    if a.preset:
+        from bench.decode import write_preset_config
+        return write_preset_config(a.preset, a.model_dir)
+    path = Path(a.model or REPO_ROOT / "models" / "tiny-llama")
+    if not (path / "config.json").exists():
+        raise SystemExit(f"no model at {path} (make model)")
+    return str(path)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    model = resolve_model(a)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    params = engine_params(a, model)
+    name = a.preset or Path(model).name
+    log(f"model {name} ({model}), engine {a.engine}: " + ", ".join(f"{k}={v}" for k, v in params.items()))
+    busy = GpuBusy(a.device == "cuda")
+    rows: list[dict] = []
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    t0 = time.perf_counter()
+    try:
+        if "triton" in a.parts:
+            rows += run_triton(a, params, vocab, busy, work)
+        if "inproc" in a.parts:
+            rows += run_inprocess(a, params, vocab, busy)
+        if "burst" in a.parts:
+            rows += run_mixed_burst(a, params, vocab, busy)
+    finally:
+        busy.close()
+        if a.keep_work:
+            log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    header = (f"{name}, {a.device} {a.dtype}, engine `{a.engine}` (max_num_seqs {params['max_num_seqs']}, "
+              f"max_num_batched_tokens {params['max_num_batched_tokens']}, cuda_graph_max_batch "
+              f"{params['cuda_graph_max_batch']}, async_token_handoff {params['async_token_handoff']}); "
+              f"fixed: prompt {a.prompt_len} / output {a.output_len}; mixed: prompts {a.mixed_prompt[0]}-"
+              f"{a.mixed_prompt[1]} / outputs {a.mixed_output[0]}-{a.mixed_output[1]}; ignore_eos; "
+              f"run {time.perf_counter() - t0:.0f} s")
+    table = markdown(rows, header)
+    meta = {"model": name, "model_path": model, "device": a.device, "dtype": a.dtype, "engine": a.engine,
+            "params": params, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    (a.out_dir / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (a.out_dir / "serve.md").write_text(table)
+    print(table)
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""`make bench-serve` as a smoke test: bench/serve.py on CPU with the tiny model and tiny sizes
+runs every part (tritonserver + perf_analyzer, the in-process closed loop, steady decode, the
+mixed burst async vs sync) and its table has every row, each with the requests it was asked
+for, every token of them, and zero errors. No speed is asserted."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import MODEL_DIR, ROOT
+
+PA = ROOT / "build" / "bin" / "perf_analyzer"
+CONCURRENCY = (1, 3)
+ROUNDS, MIN_REQUESTS, BURST = 2, 3, 12
+PROMPT, OUTPUT = 12, 6
+SAMPLINGS = ("greedy", "top_p")
+
+pytestmark = [
+    pytest.mark.skipif(not PA.exists(), reason=f"perf_analyzer not installed at {PA} (scripts/install_triton.sh)"),
+    pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(), reason=f"no model at {MODEL_DIR}: run `make model`"),
+]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    from triton_glue import launch
+    try:
+        launch.find_triton()
+    except launch.TritonNotFound as e:
+        pytest.skip(f"tritonserver not available: {e}")
+    out = tmp_path_factory.mktemp("bench-serve")
+    cmd = [sys.executable, "-m", "bench.serve", "--smoke", "--model", str(MODEL_DIR), "--out-dir", str(out),
+           "--concurrency", ",".join(map(str, CONCURRENCY)), "--rounds", str(ROUNDS),
+           "--min-requests", str(MIN_REQUESTS), "--warmup", "2", "--distinct-requests", "8",
+           "--prompt-len", str(PROMPT), "--output-len", str(OUTPUT), "--mixed-prompt", "4-24",
+           "--mixed-output", "2-10", "--mixed-requests", str(BURST), "--perf-analyzer", str(PA)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return json.loads((out / "serve.json").read_text()), (out / "serve.md").read_text(), r.stdout
+
+
+def test_every_row_with_all_its_requests_and_no_errors(report):
+    data, _, _ = report
+    rows = data["rows"]
+    want = {("Triton", wl, s, c) for wl in ("fixed", "mixed") for s in SAMPLINGS for c in CONCURRENCY}
+    want |= {("in-process AsyncEngine", wl, s, c) for wl in ("fixed", "mixed") for s in SAMPLINGS for c in CONCURRENCY}
+    want |= {("steady decode (same engine)", "fixed", s, c) for s in SAMPLINGS for c in CONCURRENCY}
+    want |= {(f"in-process, async handoff {m}", "burst", "greedy", BURST) for m in ("on", "off")}
+    got = [(r["path"], r["workload"], r["sampling"], r["concurrency"]) for r in rows]
+    assert sorted(got) == sorted(want)
+    for r in rows:
+        key = (r["path"], r["workload"], r["sampling"], r["concurrency"])
+        assert r["errors"] == 0, (key, r)
+        if r["path"].startswith("steady"):
+            n = r["concurrency"]
+        elif r["workload"] == "burst":
+            n = BURST
+        else:
+            n = max(MIN_REQUESTS, r["concurrency"] * ROUNDS)
+        assert r["requests"] == n, (key, r)
+        if r["workload"] == "fixed":  # ignore_eos: every request runs to its max_tokens
+            assert r["output_tokens"] == n * OUTPUT, (key, r)
+        assert r["output_tokens"] >= n * 2, (key, r)
+        assert r["tok_s"] > 0 and r["tpot_ms_p50"] > 0, (key, r)
+        assert r["responses_per_req"] >= 1, (key, r)
+        if not r["path"].startswith("steady"):
+            assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p99"] >= r["tpot_ms_p50"], (key, r)
+    burst = {r["path"]: r for r in rows if r["workload"] == "burst"}
+    # the same requests in both modes: the same tokens, async on (CPU stand-ins) vs off
+    assert burst["in-process, async handoff on"]["async_enabled"] is True
+    assert burst["in-process, async handoff off"]["async_enabled"] is False
+    assert burst["in-process, async handoff on"]["output_tokens"] == burst["in-process, async handoff off"]["output_tokens"]
+
+
+def test_markdown_table_has_a_line_per_row(report):
+    data, md, stdout = report
+    assert md in stdout
+    lines = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| workload") and
+             not l.startswith("| path")]
+    assert len(lines) == len(data["rows"])
+    for r in data["rows"]:
+        if r["workload"] == "burst":
+            assert any(l.startswith(f"| {r['path']} | {r['requests']} | 0 |") for l in lines), r["path"]
+        else:
+            prefix = f"| {r['workload']} | {r['sampling']} | {r['concurrency']} | {r['path']} | {r['requests']} | 0 |"
+            assert sum(l.startswith(prefix) for l in lines) == 1, prefix
