@@ -72,16 +72,18 @@ TOKENIZER_PARAMS = {
     "min_frequency": 2,
     "special_tokens": SPECIAL_TOKENS,
     "model_max_length": 2048,
-    # A plain role-tagged chat format (``<|role|>`` line, content, ``</s>``) so that chat
-    # clients (the OpenAI frontend's /v1/chat/completions) work on the default model; part of
-    # the stamp's hash, so editing it rebuilds the folders.
-    "chat_template": (
-        "{% for message in messages %}"
-        "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '</s>\\n' }}"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-    ),
 }
+
+# A plain role-tagged chat format (``<|role|>`` line, content, ``</s>``) so that chat clients
+# (the OpenAI frontend's /v1/chat/completions) work on the default model.  Kept out of the
+# stamp's hash: a template change only rewrites tokenizer_config.json (ensure_chat_template),
+# never the weights.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '</s>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 # ----------------------------------------------------------------------------- tiny archs
 
@@ -342,6 +344,19 @@ def build_tokenizer():
     return tok
 
 
+def ensure_chat_template(out_dir: Path) -> None:
+    """tokenizer_config.json of a built folder carries CHAT_TEMPLATE (rewritten atomically)."""
+    tc_path = out_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    if tc.get("chat_template") != CHAT_TEMPLATE:
+        tc["chat_template"] = CHAT_TEMPLATE
+        tmp = tc_path.with_suffix(f".tmp-{os.getpid()}")
+        _write_json(tmp, tc)
+        tmp.chmod(0o644)
+        os.replace(tmp, tc_path)
+        log(f"{out_dir}: chat template updated")
+
+
 def save_tokenizer(tok, out_dir: Path) -> int:
     """Write tokenizer.json + tokenizer_config.json loadable by AutoTokenizer; returns vocab size."""
     from transformers import PreTrainedTokenizerFast
@@ -364,7 +379,7 @@ def save_tokenizer(tok, out_dir: Path) -> int:
     tc["add_bos_token"] = False
     tc["add_eos_token"] = False
     tc["clean_up_tokenization_spaces"] = False
-    tc["chat_template"] = TOKENIZER_PARAMS["chat_template"]
+    tc["chat_template"] = CHAT_TEMPLATE
     _write_json(tc_path, tc)
     if not (out_dir / "special_tokens_map.json").exists():
         _write_json(
@@ -510,6 +525,7 @@ def make_tiny_many(jobs: list[tuple[Path, str, str | None]], force: bool = False
         with build_lock(out_dir):
             if not force and is_up_to_date(out_dir, phash):
                 log(f"{out_dir} is up to date ({phash})")
+                ensure_chat_template(out_dir)
             else:
                 t0 = time.time()
                 if tok is None:
