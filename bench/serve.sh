@@ -8,8 +8,7 @@
 #
 # The bundle: tritonserver.tar.xz (tritonserver 2.51, the Python backend, its cp312 stub and
 # libraries from the nvidia-pytriton 0.7.0 wheel, a fallback libpython3.12), numpy 1.26.4 for
-# the stub (with numpy >= 2 it returns EMPTY tensors: it is put first on PYTHONPATH, which the
-# stub's embedded Python and this run's own Python both read) and the perf_analyzer wheel.
+# the stub (with numpy >= 2 it returns EMPTY tensors; see below) and the perf_analyzer wheel.
 #   BUNDLE=.gpu_triton  WORK=/tmp/bench_serve  PY=python3  NO_NUMPY_PIN=1 (skip the pin)
 #   PA=<perf_analyzer> (instead of the bundled one)
 set -uo pipefail
@@ -28,13 +27,24 @@ log "host: $(ldd --version 2>&1 | head -1); $($PY -V 2>&1); $(nvidia-smi -L 2>/d
 $PY -c "import torch, numpy; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'numpy', numpy.__version__)"
 
 # ---- numpy < 2 for the stub ----------------------------------------------------------------
+# The stub's embedded Python ignores PYTHONPATH; it takes its prefix (and site-packages) from
+# the `python3` first on PATH, which triton_glue.launch makes the directory of the Python that
+# runs bench.serve. So: a venv over $PY (its site-packages through a .pth when $PY is itself a
+# venv, as the H200's /opt/torch/.venv is) whose own site-packages holds numpy 1.26 and comes
+# first; bench.serve runs from it (the in-process engine then uses the same numpy).
 if [ -z "${NO_NUMPY_PIN:-}" ]; then
-  mkdir -p "$W/site" && tar -C "$W/site" -xJf "$BUNDLE"/numpy-*.tar.xz || exit 1
-  OLD_PP="${PYTHONPATH:-}"
-  export PYTHONPATH="$W/site${PYTHONPATH:+:$PYTHONPATH}"
-  if ! $PY -c "import numpy, torch, transformers; print('stub numpy', numpy.__version__); torch.from_numpy(numpy.zeros(2))"; then
+  V="$W/venv"
+  if [ ! -x "$V/bin/python" ]; then
+    $PY -m venv --without-pip --system-site-packages "$V" || exit 1
+    SP="$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    $PY -c 'import sys, sysconfig; p = sysconfig.get_paths()
+if sys.prefix != sys.base_prefix: print(p["purelib"]); print(p["platlib"])' > "$SP/_base_venv.pth"
+    tar -C "$SP" -xJf "$BUNDLE"/numpy-*.tar.xz || exit 1
+  fi
+  if "$V/bin/python" -c "import numpy, torch; print('stub numpy', numpy.__version__, numpy.__file__); torch.from_numpy(numpy.zeros(2))"; then
+    PY="$V/bin/python"
+  else
     log "WARNING: numpy 1.26 does not work with this torch: not pinned (responses carry EMPTY tensors: errors)"
-    export PYTHONPATH="$OLD_PP"
   fi
 fi
 
