@@ -1,5 +1,6 @@
-"""Model runner: persistent device tables, per-step input preparation, CUDA-graph decode
-buckets, forward + on-device sampling, and the relay buffer that feeds step n+1's input ids.
+"""Model runner: persistent device tables, per-step input preparation, the decode program
+(replayed through decode_graphs.py's CUDA graphs), forward + on-device sampling, and the
+relay buffer that feeds step n+1's input ids.
 
 Persistent per-slot device state (rows indexed by the request's slot, updated only when a
 request is admitted or its KV grows): block table, relay token, sampling parameters. Each
@@ -9,12 +10,12 @@ pinned memory; nothing is ever read back except through the TokenHandoff.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .config import AsyncDecision, EngineConfig
+from .decode_graphs import DecodeGraphs, DecodeMeta, graph_buckets
 from .handoff import HostStaging, StepHandle, TokenHandoff
 from .layers.attention import AttentionMetadata
 from .layers.sampler import SamplingTensors, sample
@@ -24,26 +25,6 @@ from .scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-# Sampling programs captured per bucket, as (all_greedy, use_masks): argmax only; temperature
-# sampling; the full program (bans, min_tokens, top-k/top-p; greedy rows still take argmax).
-_GRAPH_VARIANTS = ((True, False), (False, False), (False, True))
-
-
-def _graph_variant(greedy: bool, masks: bool) -> tuple[bool, bool]:
-    return (False, True) if masks else (greedy, False)
-
-
-# Rows of the packed per-step decode metadata ([5, B] int64).
-_ID, _RELAY, _POS, _SLOT, _SAMPLES = range(5)
-
-
-@dataclass
-class _Graph:
-    graph: "torch.cuda.CUDAGraph"  # keyed by (bucket, (all_greedy, use_masks))
-    meta: torch.Tensor      # static input [5, B]
-    out: torch.Tensor       # static output [B] sampled ids
 
 
 class ModelRunner:
@@ -91,15 +72,24 @@ class ModelRunner:
         # Largest upload: a mixed step's 4 x max_num_batched_tokens token rows (int64).
         self.staging = HostStaging(dev, 8 * (4 * cfg.max_num_batched_tokens + 8 * n + 4096))
         self.decision = decision
-        self.graphs: dict[tuple[int, bool], _Graph] = {}
-        self._last_decode: Optional[tuple] = None  # (bucket, variant, slots) of the last graph step
-        self.graph_buckets: tuple[int, ...] = ()
+        self.decode_graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda" and cfg.enable_cuda_graph and not self.is_pipeline_stage:
-            limit = min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)
-            self.graph_buckets = tuple(b for b in GRAPH_BUCKETS if b <= limit)
-            if limit not in self.graph_buckets and limit < GRAPH_BUCKETS[-1]:
-                self.graph_buckets += (min(b for b in GRAPH_BUCKETS if b >= limit),)
-            self._capture_graphs()
+            self.decode_graphs = DecodeGraphs(self._decode_program, self.device, self._graph_buckets())
+
+    def _graph_buckets(self) -> tuple[int, ...]:
+        return graph_buckets(min(self.cfg.max_num_seqs, self.cfg.cuda_graph_max_batch))
+
+    def use_stand_in_graphs(self) -> None:
+        """CPU tests: decode through EagerGraph stand-ins of the CUDA graphs, so the graph
+        control logic (buckets, variants, metadata reuse, relay sources) runs without CUDA."""
+        if self.is_pipeline_stage:
+            raise ValueError("decode graphs need the whole model (not a pipeline stage)")
+        self.decode_graphs = DecodeGraphs(self._decode_program, self.device, self._graph_buckets(),
+                                          stand_in=True)
+
+    @property
+    def graphs(self) -> dict:
+        return self.decode_graphs.graphs if self.decode_graphs is not None else {}
 
     # ---- persistent table updates (admission, KV growth) --------------------------------
     def _update_tables(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> None:
@@ -177,55 +167,26 @@ class ModelRunner:
         rows = sched.rows
         greedy, masks = self.step_flags(sched)
         start = self.handoff.begin_step()
+        graphs = self.decode_graphs
+        if sched.is_decode_only and graphs is not None and graphs.bucket(len(rows)) is not None:
+            out, keep = graphs.launch(rows, greedy, masks, self._to_device)
+            return self.handoff.publish(out, len(rows), start, keepalive=keep)
+        if graphs is not None:
+            graphs.invalidate()
         if not sched.is_decode_only:
-            self._last_decode = None
             sampled, keep = self._mixed_step(sched, greedy, masks)
             return self.handoff.publish(sampled, len(rows), start, keepalive=keep)
-        slots = [r.request.slot for r in rows]
-        bucket = self._bucket(len(rows))
-        if bucket is None:  # larger than every graph bucket: the same program, eagerly
-            self._last_decode = None
-            meta = self._to_device(self._decode_meta(rows, slots, 0))
-            return self.handoff.publish(self._decode_program(meta, greedy, masks), len(rows), start,
-                                        keepalive=(meta,))
-        variant = _graph_variant(greedy, masks)
-        g = self.graphs[(bucket, variant)]
-        key = (bucket, variant, tuple(slots))
-        keep: tuple = ()
-        if key == self._last_decode and all(r.first_from_relay for r in rows):
-            # Same requests as the previous step, every input id on the device already: the
-            # persistent metadata only advances positions, on the device (nothing uploaded).
-            g.meta[_POS] += (g.meta[_SLOT] >= 0).long()
-        else:
-            meta = self._to_device(self._decode_meta(rows, slots, bucket - len(rows)))
-            g.meta.copy_(meta)
-            keep = (meta,)
-        self._last_decode = key
-        g.graph.replay()
-        return self.handoff.publish(g.out, len(rows), start, keepalive=keep)
-
-    @staticmethod
-    def _decode_meta(rows, slots: list[int], pad: int) -> list[list[int]]:
-        """[ids, relay source slot (-1: host id), position, slot, samples], padded rows last."""
-        meta = [[r.host_token_ids[0] for r in rows],
-                [r.request.slot if r.first_from_relay else -1 for r in rows],
-                [r.start_pos for r in rows], slots, [1] * len(rows)]
-        return [row + [fill] * pad for row, fill in zip(meta, (0, -1, 0, -1, 0))]
-
-    def _bucket(self, n: int) -> Optional[int]:
-        for b in self.graph_buckets:
-            if b >= n:
-                return b
-        return None
+        # Decode larger than every graph bucket (or no graphs): the same program, eagerly.
+        meta = DecodeMeta(self._to_device(DecodeMeta.host_rows(rows, 0)))
+        return self.handoff.publish(self._decode_program(meta, greedy, masks), len(rows), start,
+                                    keepalive=(meta.packed,))
 
     # ---- decode: one token per row, fixed shapes (the CUDA-graph program) ------------------
-    def _decode_program(self, meta: torch.Tensor, greedy: bool, masks: bool) -> torch.Tensor:
-        slot = meta[_SLOT]
-        valid = slot >= 0
-        slot_c = torch.where(valid, slot, self.scratch_slot)
-        pos = meta[_POS]
-        relay_src = meta[_RELAY]
-        ids = torch.where(relay_src >= 0, self.relay[relay_src.clamp(min=0)], meta[_ID])
+    def _decode_program(self, meta: DecodeMeta, greedy: bool, masks: bool) -> torch.Tensor:
+        valid = meta.slot >= 0
+        slot_c = torch.where(valid, meta.slot, self.scratch_slot)
+        pos = meta.pos
+        ids = self.gather_input_ids(meta.ids, meta.relay_src)
         tables = self.block_table[slot_c]
         blk = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).long()
         slot_mapping = torch.where(valid, blk * self.block_size + pos % self.block_size, 0)
@@ -235,7 +196,7 @@ class ModelRunner:
             attn.seq_lens_host = seq_lens.tolist()
             attn.q_lens_host = [1] * len(attn.seq_lens_host)
         hidden = self.model(ids, pos, self.kv_caches, attn)
-        return self._sample_and_relay(hidden, slot_c, valid & (meta[_SAMPLES] > 0), pos + 1, greedy, masks)
+        return self._sample_and_relay(hidden, slot_c, valid & (meta.samples > 0), pos + 1, greedy, masks)
 
     def _sample_and_relay(self, hidden, slot_c, samples, next_pos, greedy, masks) -> torch.Tensor:
         tokens = self.sample_rows(hidden, slot_c, next_pos, greedy, masks)
@@ -301,23 +262,3 @@ class ModelRunner:
         attn = AttentionMetadata(slot_mapping, tables, row[1].to(torch.int32), cu_t, max(q_lens),
                                  all(n == 1 for n in q_lens), seq_lens, q_lens)
         return p, attn
-
-    # ---- CUDA graphs -------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _capture_graphs(self) -> None:
-        pool = None
-        for b in sorted(self.graph_buckets, reverse=True):
-            for greedy, masks in _GRAPH_VARIANTS:
-                meta = torch.zeros(5, b, dtype=torch.int64, device=self.device)
-                meta[_SLOT].fill_(-1)
-                for _ in range(2):  # warm up: compiles Triton kernels, settles allocations
-                    self._decode_program(meta, greedy, masks)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    out = self._decode_program(meta, greedy, masks)
-                pool = g.pool()
-                self.graphs[(b, (greedy, masks))] = _Graph(g, meta, out)
-        torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for buckets %s", len(self.graphs), self.graph_buckets)
-

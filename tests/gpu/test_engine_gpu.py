@@ -86,3 +86,84 @@ def test_gpu_async_equals_sync_under_churn(tiny_llama_path):
     assert a_stats.async_steps_total > 0 and s_stats.async_steps_total == 0
     assert s_stats.num_preemptions > 0
     assert sync == asyn
+
+
+def _preemption_churn(path, mode, budget, seed, n=120):
+    """Tiny token budget, 40 KV blocks of 4 tokens for up to 16 requests of up to 88 tokens:
+    the scheduler preempts constantly, and a random decoding request is preempted on top of
+    that now and then; recomputes end in chunks of every size, 1 token included."""
+    eng = _engine(path, async_token_handoff=mode, max_num_batched_tokens=budget, num_kv_blocks=40,
+                  block_size=4, max_num_seqs=16, max_model_len=128)
+    rng = random.Random(seed)
+    pending = []
+    for i in range(n):
+        p = [rng.randrange(3, 250) for _ in range(rng.randint(1, 40))]
+        sp = SamplingParams(max_tokens=rng.randint(1, 48), temperature=0.0 if i % 3 else 0.9, seed=i,
+                            top_k=20 if i % 5 == 0 else -1, ignore_eos=True)
+        pending.append((f"r{i}", p, sp))
+    want = {rid: sp.max_tokens for rid, _, sp in pending}  # ignore_eos, no stop ids
+    res = {}
+    forced = 0
+    while pending or eng.has_unfinished():
+        for _ in range(rng.choice([0, 0, 0, 1, 3])):
+            if pending:
+                rid, p, sp = pending.pop(0)
+                eng.add_request(rid, p, sp)
+                res[rid] = []
+        sched = eng.scheduler
+        decoding = [r for r in sched.running if r.output_token_ids]
+        if decoding and rng.random() < 0.05:
+            sched._preempt(rng.choice(decoding))
+            forced += 1
+        for out in eng.step():
+            res[out.request_id] += out.new_token_ids
+    st = eng.stats()
+    assert st.kv_blocks_used == 0
+    assert {rid: len(toks) for rid, toks in res.items()} == want
+    return res, st, eng.runner.decode_graphs, forced
+
+
+@pytest.mark.parametrize("budget", [5, 7, 9, 11])
+def test_gpu_async_equals_sync_heavy_preemption_tiny_budgets(tiny_llama_path, budget):
+    sync, s_stats, s_graphs, _ = _preemption_churn(tiny_llama_path, "off", budget, seed=budget)
+    asyn, a_stats, a_graphs, forced = _preemption_churn(tiny_llama_path, "on", budget, seed=budget)
+    assert a_stats.async_steps_total > 0 and s_stats.async_steps_total == 0
+    assert s_stats.num_preemptions > forced > 0 and a_stats.num_preemptions > 0
+    # The async run replayed saved graph metadata; the sync run never can (host ids each step).
+    assert a_graphs.steps_reused > 0 and s_graphs.steps_reused == 0
+    assert sync == asyn
+
+
+def test_gpu_recomputed_one_token_final_chunk(tiny_llama_path):
+    """The issue's reproduction with real CUDA graphs: request a (5-token prompt, budget 8) is
+    preempted as its third output is scheduled and recomputed as 7 + 1 tokens next to b's
+    decode; the 1-token chunk's host id must not be replayed on the next (reused) step."""
+    rng = random.Random(5)
+    prompts = {"a": [rng.randrange(3, 250) for _ in range(5)], "b": [rng.randrange(3, 250) for _ in range(3)]}
+    outs = {}
+    for mode in ("off", "on"):
+        eng = _engine(tiny_llama_path, async_token_handoff=mode, max_num_batched_tokens=8, max_num_seqs=4)
+        sched = eng.scheduler
+        orig = sched.schedule
+        forced = []
+
+        def schedule():
+            a = sched.requests.get("a")
+            if not forced and a is not None and a in sched.running \
+                    and len(a.output_token_ids) + a.num_output_placeholders == 3:
+                sched._preempt(a)
+                forced.append(True)
+            return orig()
+
+        sched.schedule = schedule
+        eng.add_request("b", prompts["b"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        eng.add_request("a", prompts["a"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        res = {"a": [], "b": []}
+        while eng.has_unfinished():
+            for o in eng.step():
+                res[o.request_id] += o.new_token_ids
+        assert forced
+        outs[mode] = res
+        if mode == "on":
+            assert eng.runner.decode_graphs.steps_reused > 0
+    assert len(outs["on"]["a"]) == 12 and outs["on"] == outs["off"]

@@ -1,0 +1,168 @@
+"""CUDA-graph decode steps: one captured decode program per (bucket, sampling variant), the
+static metadata each graph reads, and the one decision that lets a step skip uploading it.
+
+The captured program is the runner's decode program (input ids gathered from the relay ->
+forward -> sample -> relay write). On CPU an `EagerGraph` can stand in for
+torch.cuda.CUDAGraph: it replays the same program eagerly on the same static buffers, so
+everything here (bucketing, variant choice, metadata reuse, relay sources) runs in the CPU
+tests exactly as it runs on the GPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+# Sampling programs captured per bucket, as (all_greedy, use_masks): argmax only; temperature
+# sampling; the full program (bans, min_tokens, top-k/top-p; greedy rows still take argmax).
+GRAPH_VARIANTS = ((True, False), (False, False), (False, True))
+
+
+def graph_variant(greedy: bool, masks: bool) -> tuple[bool, bool]:
+    return (False, True) if masks else (greedy, False)
+
+
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """Captured batch sizes up to max_batch, plus the bucket that covers max_batch itself."""
+    buckets = tuple(b for b in GRAPH_BUCKETS if b <= max_batch)
+    if max_batch not in buckets and max_batch < GRAPH_BUCKETS[-1]:
+        buckets += (min(b for b in GRAPH_BUCKETS if b >= max_batch),)
+    return buckets
+
+
+class DecodeMeta:
+    """The packed per-step decode metadata ([5, B] int64: one upload), read through named
+    row views. Padding rows (slot -1) come last."""
+    NUM_ROWS = 5
+    PAD = (0, -1, 0, -1, 0)  # fill of each row for padding
+
+    def __init__(self, packed: torch.Tensor):
+        self.packed = packed
+        self.ids = packed[0]        # host-known input id (ignored where relay_src >= 0)
+        self.relay_src = packed[1]  # slot whose relay entry is the input id; -1: use ids
+        self.pos = packed[2]        # position of the row's token
+        self.slot = packed[3]       # the request's slot; -1: padding
+        self.samples = packed[4]    # 1: the sampled token is a real output
+
+    @classmethod
+    def empty(cls, bucket: int, device: torch.device) -> "DecodeMeta":
+        packed = torch.zeros(cls.NUM_ROWS, bucket, dtype=torch.int64, device=device)
+        packed[3].fill_(-1)
+        return cls(packed)
+
+    @classmethod
+    def host_rows(cls, rows: Sequence, pad: int) -> list[list[int]]:
+        """Host side of one step's metadata for `rows` (ScheduledRow), `pad` padding rows."""
+        meta = [[r.host_token_ids[0] for r in rows],
+                [r.request.slot if r.first_from_relay else -1 for r in rows],
+                [r.start_pos for r in rows],
+                [r.request.slot for r in rows],
+                [1] * len(rows)]
+        return [row + [fill] * pad for row, fill in zip(meta, cls.PAD)]
+
+
+class EagerGraph:
+    """CPU stand-in for torch.cuda.CUDAGraph, with its contract: the program and its static
+    input/output buffers are fixed at capture; replay() recomputes the static output in
+    place from whatever the static input holds now."""
+
+    def __init__(self, program: Callable[[], torch.Tensor], out: torch.Tensor):
+        self._program = program
+        self.out = out
+
+    def replay(self) -> None:
+        self.out.copy_(self._program())
+
+
+@dataclass
+class _Graph:
+    graph: Any            # torch.cuda.CUDAGraph or EagerGraph
+    meta: DecodeMeta      # static input
+    out: torch.Tensor     # static output [B] sampled ids
+
+
+# program(meta, all_greedy, use_masks) -> sampled ids [B]
+DecodeProgram = Callable[[DecodeMeta, bool, bool], torch.Tensor]
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one runner and the metadata they last read."""
+
+    def __init__(self, program: DecodeProgram, device: torch.device, buckets: tuple[int, ...],
+                 stand_in: bool = False):
+        self._program = program
+        self.device = device
+        self.buckets = buckets
+        self.stand_in = stand_in
+        self.graphs: dict[tuple[int, tuple[bool, bool]], _Graph] = {}
+        # Key (bucket, variant, slots) of the graph whose saved metadata the next step may
+        # reuse by advancing positions; None when the last step was anything else.
+        self._reusable: Optional[tuple] = None
+        self.steps_reused = 0    # graph steps that only advanced the saved positions
+        self.steps_uploaded = 0  # graph steps that uploaded their metadata
+        self._capture()
+
+    def bucket(self, n: int) -> Optional[int]:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def invalidate(self) -> None:
+        """A step ran outside the graphs: no saved metadata describes the previous step."""
+        self._reusable = None
+
+    def launch(self, rows: Sequence, greedy: bool, masks: bool,
+               upload: Callable[[list[list[int]]], torch.Tensor]) -> tuple[torch.Tensor, tuple]:
+        """Replay the graph for a decode-only step of `rows` (len(rows) <= the largest
+        bucket); returns (static output, tensors the step reads that must stay alive)."""
+        bucket = self.bucket(len(rows))
+        variant = graph_variant(greedy, masks)
+        g = self.graphs[(bucket, variant)]
+        key = (bucket, variant, tuple(r.request.slot for r in rows))
+        all_relay = all(r.first_from_relay for r in rows)
+        keep: tuple = ()
+        if key == self._reusable and all_relay:
+            # Only positions changed since this graph's metadata was uploaded: nothing to upload.
+            g.meta.pos += (g.meta.slot >= 0).long()
+            self.steps_reused += 1
+        else:
+            staged = upload(DecodeMeta.host_rows(rows, bucket - len(rows)))
+            g.meta.packed.copy_(staged)
+            keep = (staged,)
+            self.steps_uploaded += 1
+        # Reuse is sound only while every row's input id comes from the relay: a host-known
+        # id saved here (a recomputed request's 1-token final prefill chunk) would be fed
+        # again on the next step instead of relay[slot].
+        self._reusable = key if all_relay else None
+        g.graph.replay()
+        return g.out, keep
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        for b in sorted(self.buckets, reverse=True):
+            for greedy, masks in GRAPH_VARIANTS:
+                meta = DecodeMeta.empty(b, self.device)
+                if self.stand_in:
+                    out = torch.zeros(b, dtype=torch.int64, device=self.device)
+                    graph: Any = EagerGraph(lambda m=meta, gr=greedy, ms=masks: self._program(m, gr, ms), out)
+                else:
+                    for _ in range(2):  # warm up: compiles Triton kernels, settles allocations
+                        self._program(meta, greedy, masks)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._program(meta, greedy, masks)
+                    pool = graph.pool()
+                self.graphs[(b, (greedy, masks))] = _Graph(graph, meta, out)
+        if not self.stand_in:
+            torch.cuda.synchronize()
+        logger.info("captured %d %sdecode graphs for buckets %s", len(self.graphs),
+                    "stand-in " if self.stand_in else "CUDA ", self.buckets)
