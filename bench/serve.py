@@ -358,11 +358,11 @@ def run_mixed_burst(args, params, vocab, busy: GpuBusy) -> list[dict]:
 
 # ---- Triton --------------------------------------------------------------------------------------
 
-def make_repository(root: Path, params: dict[str, str]) -> Path:
-    """root/llm: model_repository/llm whose parameters are `params` (others kept as shipped)."""
-    dst = root / "llm"
+def _copy_model(root: Path, model: str, params: dict[str, str]) -> None:
+    """root/model: model_repository/model whose parameters are `params` (others as shipped)."""
+    dst = root / model
     shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(REPO_ROOT / "model_repository" / "llm", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO_ROOT / "model_repository" / model, dst, ignore=shutil.ignore_patterns("__pycache__"))
     cfg = (dst / "config.pbtxt").read_text()
     for k, v in params.items():
         line = f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}'
@@ -371,6 +371,17 @@ def make_repository(root: Path, params: dict[str, str]) -> Path:
         if n == 0:
             cfg += line + "\n"
     (dst / "config.pbtxt").write_text(cfg)
+
+
+def make_repository(root: Path, params: dict[str, str], with_text_models: bool = False) -> Path:
+    """root/llm with the run's parameters; with_text_models: also `ensemble` (TensorRT-LLM's text
+    interface: preprocessing -> llm -> postprocessing, tokenizer from the model folder), which
+    genai-perf drives."""
+    _copy_model(root, "llm", params)
+    if with_text_models:
+        _copy_model(root, "ensemble", {})
+        for m in ("preprocessing", "postprocessing"):
+            _copy_model(root, m, {"model_path": params["model_path"]})
     return root
 
 
@@ -409,20 +420,22 @@ class TritonServer:
         log(f"tritonserver ready in {time.monotonic() - t0:.1f} s (grpc {self.grpc})")
 
     def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/models/llm/ready", timeout=2) as r:
+        try:  # --strict-readiness: every model of the repository is ready
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=2) as r:
                 return r.status == 200
         except Exception:  # noqa: BLE001
             return False
 
-    def failures(self) -> float:
+    def failures(self, models: tuple[str, ...] = ("llm",)) -> float:
+        """Failed requests so far (nv_inference_request_failure) of these models."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as r:
                 text = r.read().decode()
         except Exception:  # noqa: BLE001
             return float("nan")
         return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                   if l.startswith("nv_inference_request_failure{") and 'model="llm"' in l)
+                   if l.startswith("nv_inference_request_failure{")
+                   and any(f'model="{m}"' in l for m in models))
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -483,9 +496,10 @@ def records_from_profile(path: Path) -> list[Record]:
 
 def run_triton(args, params, vocab, busy: GpuBusy, work: Path) -> list[dict]:
     rows = []
-    for name, overrides in args.variants:
+    for i, (name, overrides) in enumerate(args.variants):
         label = "Triton" + (f" {name}" if name else "")
-        repo = make_repository(work / f"repo-{name or 'default'}", dict(params, **overrides))
+        genai = bool(args.genai_perf) and i == 0  # genai-perf on the first server only
+        repo = make_repository(work / f"repo-{name or 'default'}", dict(params, **overrides), with_text_models=genai)
         srv = TritonServer(repo, args.out_dir / f"server-{name or 'default'}.log", args.start_timeout)
         try:
             for wl in args.workloads:
@@ -496,13 +510,17 @@ def run_triton(args, params, vocab, busy: GpuBusy, work: Path) -> list[dict]:
                     for c in args.concurrency:
                         rows.append(perf_point(args, srv, label, wl, sampling, c, data, busy, work))
                         _progress(rows[-1])
+            if genai:
+                for sampling, c in args.genai_points:
+                    rows.append(genai_point(args, srv, sampling, c, busy, work))
+                    _progress(rows[-1])
         finally:
             srv.stop()
         tracebacks = [l for l in srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
         if tracebacks:
             log(f"server log has {len(tracebacks)} Traceback(s): {srv.log_path}")
             for r in rows:
-                if r["path"] == label:
+                if r["path"] == label or (genai and r["path"] == GENAI_LABEL):
                     r["server_tracebacks"] = len(tracebacks)
     return rows
 
@@ -536,6 +554,74 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     failed = int(failures) if failures == failures else 0
     failed += (1 if rc != 0 else 0) + (0 if recs else n)
     return row_from(label, wl, sampling, c, recs, gpu, failures=failed, **extra)
+
+
+GENAI_LABEL = "Triton genai-perf (ensemble)"
+GENAI_MODELS = ("ensemble", "preprocessing", "llm", "postprocessing")
+
+
+def genai_point(args, srv: TritonServer, sampling: str, c: int, busy: GpuBusy, work: Path) -> dict:
+    """genai-perf against `ensemble` (text in/out over the same engine; `--backend tensorrtllm`,
+    whose inputs carry temperature and top_p): the fixed workload's shape as synthetic prompts,
+    min_length = max_tokens instead of ignore_eos; its own TTFT / inter-token latency / output
+    tok/s (output tokens counted by re-tokenizing the streamed text: near, not exactly,
+    max_tokens)."""
+    n = max(args.min_requests, c * args.rounds)
+    art = work / f"genai-{sampling}-{c}"
+    shutil.rmtree(art, ignore_errors=True)
+    s = SAMPLINGS[sampling]
+    cmd = [args.genai_perf, "profile", "-m", "ensemble", "--backend", "tensorrtllm", "--endpoint-type", "kserve",
+           "--streaming", "-u", f"127.0.0.1:{srv.grpc}", "--tokenizer", args.model_path,
+           "--num-dataset-entries", str(args.distinct_requests),
+           "--synthetic-input-tokens-mean", str(args.prompt_len), "--synthetic-input-tokens-stddev", "0",
+           "--output-tokens-mean", str(args.output_len), "--output-tokens-mean-deterministic",
+           "--extra-inputs", f"temperature:{s['temperature']}",
+           "--extra-inputs", f"top_p:{s['top_p']}",
+           "--concurrency", str(c), "--request-count", str(n), "--warmup-request-count", str(max(c, args.warmup)),
+           "--random-seed", "0", "--artifact-dir", str(art)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="200",
+               PATH=f"{Path(args.perf_analyzer).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    fail0 = srv.failures(GENAI_MODELS)
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout, env=env, cwd=work)
+        rc, out = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired:
+        rc, out = 124, f"genai-perf timed out after {args.point_timeout} s"
+    gpu = busy.mean(t0, time.perf_counter())
+    failures = srv.failures(GENAI_MODELS) - fail0
+    (args.out_dir / f"genai-{sampling}-{c}.txt").write_text(" ".join(cmd) + "\n" + out)
+    summary = next(art.glob("**/profile_export_genai_perf.json"), None)
+    export = next(art.glob("**/profile_export.json"), None)
+    failed = (int(failures) if failures == failures else 0) + (1 if rc != 0 else 0)
+    row = {"path": GENAI_LABEL, "workload": "fixed", "sampling": sampling, "concurrency": c, "requests": 0,
+           "errors": failed, "output_tokens": 0, "wall_s": None, "tok_s": 0.0, "ttft_ms_p50": None,
+           "ttft_ms_p99": None, "tpot_ms_p50": None, "tpot_ms_p99": None, "tpot_ms_mean": None,
+           "responses_per_req": 0.0, "gpu_busy": gpu}
+    if summary is None:
+        row.update(errors=failed + n, genai_tail=out[-800:])
+        log(f"genai-perf rc={rc}: {out[-400:]}")
+        return row
+    g = json.loads(summary.read_text())
+
+    def ms(metric: str, stat: str) -> Optional[float]:
+        m = g.get(metric) or {}
+        v = m.get(stat)
+        return None if v is None else v * {"ms": 1.0, "ns": 1e-6, "us": 1e-3, "s": 1e3}.get(m.get("unit", "ms"), 1.0)
+
+    count = int(g["request_count"]["avg"])
+    row.update(requests=count, output_tokens=int(round(g["output_sequence_length"]["avg"] * count)),
+               tok_s=g["output_token_throughput"]["avg"], ttft_ms_p50=ms("time_to_first_token", "p50"),
+               ttft_ms_p99=ms("time_to_first_token", "p99"), tpot_ms_p50=ms("inter_token_latency", "p50"),
+               tpot_ms_p99=ms("inter_token_latency", "p99"), tpot_ms_mean=ms("inter_token_latency", "avg"),
+               output_tokens_min=g["output_sequence_length"].get("min"))
+    if count != n:
+        row["errors"] += abs(n - count)
+    if export is not None:
+        reqs = [q for e in json.loads(export.read_text()).get("experiments", []) for q in e.get("requests", [])]
+        if reqs:
+            row["responses_per_req"] = statistics.fmean(len(q.get("response_timestamps") or []) for q in reqs)
+    return row
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -618,7 +704,8 @@ def parse_args(argv=None):
     ap.add_argument("--variant", action="append", type=_variant, dest="variants",
                     help="NAME[:k=v,...]: one Triton server per variant with these llm parameters "
                          "(e.g. 'coalesce-off:stream_coalesce=off'); default one, as configured")
-    ap.add_argument("--parts", default="triton,inproc,burst", help="comma list of triton, inproc, burst")
+    ap.add_argument("--parts", default="triton,genai,inproc,burst",
+                    help="comma list of triton, genai (genai-perf on the first server), inproc, burst")
     ap.add_argument("--concurrency", type=_int_list, default=None, help="default 1,16,64,256 (cpu: 1,4)")
     ap.add_argument("--workloads", default="fixed,mixed", help="fixed, mixed")
     ap.add_argument("--samplings", default="greedy,top_p", help="greedy, top_p")
@@ -633,6 +720,11 @@ def parse_args(argv=None):
     ap.add_argument("--min-requests", type=int, default=None, help="at least this many (default 16; smoke 4)")
     ap.add_argument("--warmup", type=int, default=4, help="warm-up requests per point (at least c)")
     ap.add_argument("--perf-analyzer", default=os.environ.get("PA") or str(REPO_ROOT / "build" / "bin" / "perf_analyzer"))
+    ap.add_argument("--genai-perf", default=str(REPO_ROOT / "build" / "genai-venv" / "bin" / "genai-perf"),
+                    help="genai-perf (scripts/install_genai_perf.sh); its rows run where it is installed and "
+                         "the model has a tokenizer (not the presets), and 'genai' is in --parts")
+    ap.add_argument("--genai-points", default=None,
+                    help="SAMPLING:C,... genai-perf points (default: every sampling x concurrency)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--point-timeout", type=float, default=300.0)
     ap.add_argument("--model-dir", default="/tmp/bench-models", help="where preset config folders go")
@@ -659,6 +751,8 @@ def parse_args(argv=None):
         if s not in SAMPLINGS:
             ap.error(f"--samplings: {s!r} is not one of {sorted(SAMPLINGS)}")
     a.variants = a.variants or [("", {})]
+    a.genai_points = ([(p.split(":")[0], int(p.split(":")[1])) for p in a.genai_points.split(",") if p]
+                      if a.genai_points else [(s, c) for s in a.samplings for c in a.concurrency])
     a.load_format = "dummy" if a.preset else "safetensors"
     a.out_dir = Path(a.out_dir)
     return a
@@ -668,18 +762,35 @@ def resolve_model(a) -> str:
     if a.preset:
         from bench.decode import write_preset_config
         return write_preset_config(a.preset, a.model_dir)
-    path = Path(a.model or REPO_ROOT / "models" / "tiny-llama")
+    path = Path(a.model or REPO_ROOT / "models" / "tiny-llama").resolve()
     if not (path / "config.json").exists():
         raise SystemExit(f"no model at {path} (make model)")
     return str(path)
+
+
+def genai_perf_usable(a, model: str) -> Optional[str]:
+    """The genai-perf command when its rows can run here, else None (and why, logged)."""
+    if "genai" not in a.parts or "triton" not in a.parts:
+        return None
+    why = None
+    if not Path(a.genai_perf).exists():
+        why = f"not installed at {a.genai_perf} (scripts/install_genai_perf.sh)"
+    elif not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        why = f"no tokenizer in {model} (it re-tokenizes text)"
+    if why:
+        log(f"genai-perf rows skipped: {why}")
+        return None
+    return a.genai_perf
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model(a)
+    a.model_path = model
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     params = engine_params(a, model)
+    a.genai_perf = genai_perf_usable(a, model)
     name = a.preset or Path(model).name
     log(f"model {name} ({model}), engine {a.engine}: " + ", ".join(f"{k}={v}" for k, v in params.items()))
     busy = GpuBusy(a.device == "cuda")
