@@ -3,6 +3,9 @@
 Environment variables read here:
     MODEL_PATH        overrides the `model_path` parameter of every model (llm, tokenizers), so
                       one variable points the whole repository at another local checkpoint.
+    TOKENIZER_PATH    overrides the tokenizer folder of every model (preprocessing,
+                      postprocessing, the BLS routes, the llm model's detokenizer) and of the
+                      OpenAI frontend; unset: the tokenizer of MODEL_PATH / the parameters.
     TRITON_HTTP_PORT  the server's HTTP port, exported by triton_glue.launch (and the container
                       entrypoint) so the llm model can notice an unload (its readiness drops)
                       and abort in-flight streams instead of making the unload wait for them.
@@ -16,6 +19,7 @@ from typing import Any, Mapping, Optional, Union
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_PATH_ENV = "MODEL_PATH"
+TOKENIZER_PATH_ENV = "TOKENIZER_PATH"
 HTTP_PORT_ENV = "TRITON_HTTP_PORT"
 
 
@@ -48,8 +52,10 @@ def resolve_model_path(path: str, model_dir: Optional[str] = None) -> str:
     """Absolute path of a local checkpoint: MODEL_PATH wins; a relative path is looked up against
     the project root, then next to the model repository, then the working directory."""
     override = os.environ.get(MODEL_PATH_ENV, "").strip()
-    if override:
-        path = override
+    return _resolve_local(override or path, model_dir)
+
+
+def _resolve_local(path: str, model_dir: Optional[str] = None) -> str:
     p = Path(path).expanduser()
     if p.is_absolute():
         return str(p)
@@ -62,6 +68,18 @@ def resolve_model_path(path: str, model_dir: Optional[str] = None) -> str:
         if c.exists():
             return str(c.resolve())
     return str(candidates[0])
+
+
+def resolve_tokenizer_path(path: str, model_dir: Optional[str] = None) -> str:
+    """The tokenizer folder: TOKENIZER_PATH wins, then MODEL_PATH, then `path`."""
+    override = os.environ.get(TOKENIZER_PATH_ENV, "").strip()
+    return _resolve_local(override, model_dir) if override else resolve_model_path(path, model_dir)
+
+
+def tokenizer_path_from_env(default: str) -> str:
+    """The tokenizer folder a process outside the model repository (the OpenAI frontend) uses
+    to agree with the server: TOKENIZER_PATH, else MODEL_PATH, else `default`."""
+    return resolve_tokenizer_path(default)
 
 
 def engine_config(model_config: Union[str, Mapping[str, Any]], model_dir: Optional[str] = None):
@@ -93,5 +111,5 @@ def load_tokenizer(model_config: Union[str, Mapping[str, Any]], model_dir: Optio
 
     params = parameters_of(model_config)
     raw = params.get("tokenizer_path") or params.get("model_path") or "models/tiny-llama"
-    path = resolve_model_path(raw, model_dir)
+    path = resolve_tokenizer_path(raw, model_dir)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)

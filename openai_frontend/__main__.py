@@ -1,0 +1,52 @@
+"""`python -m openai_frontend`: serve the OpenAI-compatible API (settings: config.py)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from .config import FrontendConfig
+
+    cfg = FrontendConfig.from_env()
+    ap = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
+    ap.add_argument("--host", default=cfg.host)
+    ap.add_argument("--port", type=int, default=cfg.port)
+    ap.add_argument("--grpc-url", default=cfg.grpc_url, help="tritonserver's gRPC host:port")
+    ap.add_argument("--triton-model", default=cfg.triton_model)
+    ap.add_argument("--served-model-name", action="append",
+                    help=f"model id(s) clients use (default {cfg.served_model_names})")
+    ap.add_argument("--tokenizer", default=cfg.tokenizer_path, help="tokenizer folder (chat template)")
+    ap.add_argument("--default-max-tokens", type=int, default=cfg.default_max_tokens)
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    cfg.host, cfg.port, cfg.grpc_url = args.host, args.port, args.grpc_url
+    if args.triton_model != cfg.triton_model and not args.served_model_name:
+        cfg.served_model_names = [args.triton_model]
+    cfg.triton_model = args.triton_model
+    cfg.served_model_names = args.served_model_name or cfg.served_model_names
+    cfg.tokenizer_path, cfg.default_max_tokens = args.tokenizer, args.default_max_tokens
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from .app import create_app
+
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path, trust_remote_code=False,
+                                            local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"error: cannot load the tokenizer from {cfg.tokenizer_path}: {e}", file=sys.stderr)
+        return 2
+    print(f"OpenAI frontend: http://{cfg.host}:{cfg.port}/v1 -> tritonserver {cfg.grpc_url} "
+          f"model {cfg.triton_model!r} as {cfg.served_model_names}", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(cfg, tok), host=cfg.host, port=cfg.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
