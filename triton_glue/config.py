@@ -6,6 +6,10 @@ Environment variables read here:
     TOKENIZER_PATH    overrides the tokenizer folder of every model (preprocessing,
                       postprocessing, the BLS routes, the llm model's detokenizer) and of the
                       OpenAI frontend; unset: the tokenizer of MODEL_PATH / the parameters.
+    LLM_PARAM_<name>  overrides the llm model's parameter <name> (an EngineConfig field or a glue
+                      parameter below; the name in any case), e.g. LLM_PARAM_max_num_seqs=32, so
+                      engine settings change without editing config.pbtxt. An unknown name
+                      fails the load, naming the variable.
     TRITON_HTTP_PORT  the server's HTTP port, exported by triton_glue.launch (and the container
                       entrypoint) so the llm model can notice an unload (its readiness drops)
                       and abort in-flight streams instead of making the unload wait for them.
@@ -20,6 +24,7 @@ from typing import Any, Mapping, Optional, Union
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_PATH_ENV = "MODEL_PATH"
 TOKENIZER_PATH_ENV = "TOKENIZER_PATH"
+LLM_PARAM_PREFIX = "LLM_PARAM_"
 HTTP_PORT_ENV = "TRITON_HTTP_PORT"
 
 
@@ -88,7 +93,10 @@ def engine_config(model_config: Union[str, Mapping[str, Any]], model_dir: Option
     from backend_lib import EngineConfig
     from backend_lib.config import engine_parameter_names
 
-    params = parameters_of(model_config)
+    params = llm_parameters(model_config)
+    overrides = parameter_overrides()
+    if overrides:
+        print(f"llm: parameters from {LLM_PARAM_PREFIX}* environment variables: {overrides}", flush=True)
     known = set(engine_parameter_names()) | set(GLUE_PARAMETERS)
     unknown = sorted(k for k in params if k not in known)
     if unknown:
@@ -101,7 +109,30 @@ def engine_config(model_config: Union[str, Mapping[str, Any]], model_dir: Option
 
 
 def glue_parameter(model_config: Union[str, Mapping[str, Any]], name: str) -> str:
-    return parameters_of(model_config).get(name, GLUE_PARAMETERS[name])
+    return llm_parameters(model_config).get(name, GLUE_PARAMETERS[name])
+
+
+def parameter_overrides(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """{parameter: value} from the LLM_PARAM_<name> environment variables. A name that is no
+    llm parameter raises ValueError naming the variable (a typo must not pass unnoticed)."""
+    from backend_lib.config import engine_parameter_names
+
+    env = os.environ if environ is None else environ
+    known = set(engine_parameter_names()) | set(GLUE_PARAMETERS)
+    out: dict[str, str] = {}
+    for var, value in sorted(env.items()):
+        if not var.startswith(LLM_PARAM_PREFIX):
+            continue
+        name = var[len(LLM_PARAM_PREFIX):].lower()
+        if name not in known:
+            raise ValueError(f"{var}: {name!r} is not a parameter of the llm model (known: {sorted(known)})")
+        out[name] = value
+    return out
+
+
+def llm_parameters(model_config: Union[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The llm model's parameters: config.pbtxt's, then the LLM_PARAM_<name> overrides."""
+    return {**parameters_of(model_config), **parameter_overrides()}
 
 
 def load_tokenizer(model_config: Union[str, Mapping[str, Any]], model_dir: Optional[str] = None):
@@ -111,5 +142,30 @@ def load_tokenizer(model_config: Union[str, Mapping[str, Any]], model_dir: Optio
 
     params = parameters_of(model_config)
     raw = params.get("tokenizer_path") or params.get("model_path") or "models/tiny-llama"
-    path = resolve_tokenizer_path(raw, model_dir)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    path = check_tokenizer_folder(resolve_tokenizer_path(raw, model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers' text does not say which folder
+        raise ValueError(f"tokenizer {path}: cannot load ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())})") from None
+
+
+# Files one of which a local tokenizer folder holds (fast tokenizers, SentencePiece, BPE).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_tokenizer_folder(path: str) -> str:
+    """`path` when it is a folder with tokenizer files; else a one-line error that names it and
+    where it came from (instead of transformers' hub messages: "Repo id must be in the form...",
+    "You need to have sentencepiece or tiktoken installed")."""
+    source = (TOKENIZER_PATH_ENV if os.environ.get(TOKENIZER_PATH_ENV, "").strip()
+              else MODEL_PATH_ENV if os.environ.get(MODEL_PATH_ENV, "").strip()
+              else "the tokenizer_path/model_path parameter")
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"tokenizer folder {path} does not exist (from {source})")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"tokenizer folder {path} has no tokenizer files (none of "
+                         f"{', '.join(TOKENIZER_FILES)}; from {source}): point {TOKENIZER_PATH_ENV} "
+                         "at the folder that has them")
+    return path

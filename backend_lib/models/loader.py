@@ -20,7 +20,17 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 def load_hf_config(path: str):
     if not os.path.isdir(path):
         raise ValueError(f"model_path {path!r} is not a local checkpoint folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model_path {path!r} has no config.json (not a Hugging Face checkpoint folder)")
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def _open_safetensors(file: str):
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors do not say which file
+        raise ValueError(f"{file}: unreadable safetensors file, truncated or corrupt "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -93,7 +103,7 @@ def _load_weights(model: DecoderModel, path: str, device, dtype) -> set[str]:
     }
     unused: list[str] = []
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             for key in f.keys():
                 m = _LAYER.match(key)
                 if m:
