@@ -1,11 +1,13 @@
 """Stream generated text to the terminal.
 
-    python -m client.generate "prompt" [--model ensemble|llm_bls|vllm_model] [--http]
+    .venv/bin/python -m client.generate "prompt" [--model ensemble|llm_bls|vllm_model|llm] [--http]
                                        [--max-tokens N] [--temperature T] [--stop STR ...]
                                        [--url HOST:PORT] [--no-stream]
 
 gRPC streaming by default (port GRPC_PORT, 8001); --http uses the HTTP generate_stream
-endpoint (port HTTP_PORT, 8000), i.e. server-sent events.
+endpoint (port HTTP_PORT, 8000), i.e. server-sent events. `--model llm` is the token-level
+model: the prompt is tokenized here (the tokenizer of TOKENIZER_PATH, else MODEL_PATH, else
+models/tiny-llama) and the streamed ids detokenized here; stop strings need a text route.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-ROUTES = ("ensemble", "llm_bls", "vllm_model")
+ROUTES = ("ensemble", "llm_bls", "vllm_model", "llm")
 
 
 def _trtllm_inputs(prompt: str, max_tokens: int, temperature: Optional[float], stop: list[str],
@@ -44,19 +46,39 @@ def _vllm_inputs(prompt: str, max_tokens: int, temperature: Optional[float], sto
             "sampling_parameters": json.dumps(sp), "return_finish_reason": True}
 
 
+def _llm_inputs(prompt_ids: list[int], max_tokens: int, temperature: Optional[float],
+                stream: bool) -> dict:
+    body = {"input_ids": list(prompt_ids), "max_tokens": max_tokens, "stream": stream,
+            "exclude_input_in_output": True}
+    if temperature is not None:
+        body["temperature"] = temperature
+    return body
+
+
 def request_body(model: str, prompt: str, max_tokens: int = 64, temperature: Optional[float] = None,
                  stop: Optional[list[str]] = None, stream: bool = True) -> dict:
     make = _vllm_inputs if model.startswith("vllm") else _trtllm_inputs
     return make(prompt, max_tokens, temperature, list(stop or []), stream)
 
 
-def stream_http(url: str, model: str, body: dict, timeout: float = 300.0) -> Iterator[str]:
-    """Yields text_output pieces from POST /v2/models/<model>/generate_stream (SSE)."""
+def output_name(model: str) -> str:
+    return "output_ids" if model == "llm" else "text_output"
+
+
+def stream_http(url: str, model: str, body: dict, timeout: float = 300.0) -> Iterator:
+    """Yields the output pieces (text, or token ids for llm) from POST
+    /v2/models/<model>/generate_stream (SSE). An error status raises with the server's text."""
+    import urllib.error
     import urllib.request
     req = urllib.request.Request(f"http://{url}/v2/models/{model}/generate_stream",
                                  data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    out = output_name(model)
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"HTTP {e.code}: {_server_error_text(e.read())}") from None
+    with resp:
         for raw in resp:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data:"):
@@ -64,7 +86,21 @@ def stream_http(url: str, model: str, body: dict, timeout: float = 300.0) -> Ite
             event = json.loads(line[5:])
             if "error" in event:
                 raise RuntimeError(event["error"])
-            yield _text_of(event.get("text_output", ""))
+            v = event.get(out, [] if out == "output_ids" else "")
+            yield (v if isinstance(v, list) else [v]) if out == "output_ids" else _text_of(v)
+
+
+def _server_error_text(raw: bytes) -> str:
+    """tritonserver's error body ({"error": "..."}, as JSON or one SSE event) as its message,
+    else the raw text."""
+    text = raw.decode("utf-8", "replace").strip()
+    if text.startswith("data:"):
+        text = text[5:].strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text
+    return str(obj.get("error", text)) if isinstance(obj, dict) else text
 
 
 def _text_of(v) -> str:
@@ -78,6 +114,11 @@ def _grpc_inputs(model: str, body: dict):
     batched = not model.startswith("vllm")  # TensorRT-LLM-style models have max_batch_size > 0
 
     def tensor(name, value):
+        if name == "input_ids":
+            arr = np.array([value], dtype=np.int64)
+            t = grpcclient.InferInput(name, list(arr.shape), "INT64")
+            t.set_data_from_numpy(arr)
+            return t
         if isinstance(value, str):
             arr = np.array([value.encode("utf-8")], dtype=np.object_)
         elif isinstance(value, bool):
@@ -100,29 +141,49 @@ def _grpc_inputs(model: str, body: dict):
     return [tensor(k, v) for k, v in body.items()]
 
 
-def stream_grpc(url: str, model: str, body: dict, timeout: float = 300.0) -> Iterator[str]:
-    """Yields text_output pieces over a gRPC bidirectional stream."""
+def stream_grpc(url: str, model: str, body: dict, timeout: float = 300.0) -> Iterator:
+    """Yields the output pieces (text, or token ids for llm) over a gRPC bidirectional stream."""
     import tritonclient.grpc as grpcclient
     q: "queue.Queue" = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     try:
+        out_name = output_name(model)
         client.async_stream_infer(model, _grpc_inputs(model, body), request_id=uuid.uuid4().hex,
-                                  outputs=[grpcclient.InferRequestedOutput("text_output")],
+                                  outputs=[grpcclient.InferRequestedOutput(out_name)],
                                   enable_empty_final_response=True)
         while True:
             result, error = q.get(timeout=timeout)
             if error is not None:
                 raise RuntimeError(str(error))
             final = result.get_response().parameters.get("triton_final_response")
-            out = result.as_numpy("text_output")
-            if out is not None:
+            out = result.as_numpy(out_name)
+            if out is not None and out_name == "output_ids":
+                yield [int(t) for t in out.reshape(-1)]
+            elif out is not None:
                 yield "".join(x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in out.reshape(-1))
             if final is not None and final.bool_param:
                 return
     finally:
         client.stop_stream()
         client.close()
+
+
+def _tokenizer():
+    """The served model's tokenizer, found as the server finds it."""
+    from transformers import AutoTokenizer
+
+    from triton_glue.config import check_tokenizer_folder, tokenizer_path_from_env
+    path = check_tokenizer_folder(tokenizer_path_from_env("models/tiny-llama"))
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+
+
+def _detokenized(tok, prompt_ids: list[int], chunks: Iterator[list[int]]) -> Iterator[str]:
+    from triton_glue.detokenizer import IncrementalDetokenizer
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    for ids in chunks:
+        yield detok.add(ids)
+    yield detok.add([], final=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -139,11 +200,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     url = args.url or ("localhost:" + (os.environ.get("HTTP_PORT", "8000") if args.http
                                        else os.environ.get("GRPC_PORT", "8001")))
-    body = request_body(args.model, args.prompt, args.max_tokens, args.temperature, args.stop,
-                        stream=not args.no_stream)
     fn = stream_http if args.http else stream_grpc
     try:
-        for piece in fn(url, args.model, body):
+        if args.model == "llm":
+            if args.stop:
+                raise ValueError("--stop needs a text route (ensemble, llm_bls, vllm_model); llm takes token ids")
+            tok = _tokenizer()
+            ids = [int(i) for i in tok.encode(args.prompt)]
+            body = _llm_inputs(ids, args.max_tokens, args.temperature, stream=not args.no_stream)
+            pieces = _detokenized(tok, ids, fn(url, args.model, body))
+        else:
+            body = request_body(args.model, args.prompt, args.max_tokens, args.temperature, args.stop,
+                                stream=not args.no_stream)
+            pieces = fn(url, args.model, body)
+        for piece in pieces:
             sys.stdout.write(piece)
             sys.stdout.flush()
     except KeyboardInterrupt:
