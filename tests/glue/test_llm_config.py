@@ -23,3 +23,32 @@ def test_parameters_build_the_engine_config():
     assert cfg.async_token_handoff == "auto"
     assert cfg.pipeline_parallel_size == 1
     assert cfg.load_format == "safetensors"
+
+
+def test_environment_overrides_parameters(monkeypatch):
+    """LLM_PARAM_<name> changes an llm parameter without editing config.pbtxt."""
+    from triton_glue.config import engine_config, glue_parameter
+
+    config = {"parameters": {k: {"string_value": v} for k, v in _parameters().items()}}
+    assert engine_config(config).max_num_seqs == 64
+    monkeypatch.setenv("LLM_PARAM_max_num_seqs", "32")
+    monkeypatch.setenv("LLM_PARAM_ENABLE_CHUNKED_PREFILL", "false")   # any case
+    monkeypatch.setenv("LLM_PARAM_stream_coalesce", "off")            # a glue parameter
+    cfg = engine_config(config)
+    assert (cfg.max_num_seqs, cfg.enable_chunked_prefill) == (32, False)
+    assert glue_parameter(config, "stream_coalesce") == "off"
+
+
+def test_environment_override_errors_name_the_variable(monkeypatch):
+    import pytest
+
+    from triton_glue.config import engine_config
+
+    config = {"parameters": {k: {"string_value": v} for k, v in _parameters().items()}}
+    monkeypatch.setenv("LLM_PARAM_max_num_seq", "32")
+    with pytest.raises(ValueError, match=r"LLM_PARAM_max_num_seq: 'max_num_seq' is not a parameter"):
+        engine_config(config)
+    monkeypatch.delenv("LLM_PARAM_max_num_seq")
+    monkeypatch.setenv("LLM_PARAM_max_num_seqs", "lots")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine_config(config)
