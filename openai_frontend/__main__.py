@@ -7,6 +7,22 @@ import sys
 from typing import Optional
 
 
+def exit_with_parent(expected_parent: Optional[int]) -> None:
+    """SIGTERM to this process when its parent dies (Linux PR_SET_PDEATHSIG); a parent already
+    gone by now means exit at once."""
+    import ctypes
+    import os
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+        print("warning: prctl(PR_SET_PDEATHSIG) failed; the frontend will outlive the server",
+              file=sys.stderr)
+    if expected_parent is not None and os.getppid() != expected_parent:
+        sys.exit(0)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from .config import FrontendConfig
 
@@ -21,7 +37,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tokenizer", default=cfg.tokenizer_path, help="tokenizer folder (chat template)")
     ap.add_argument("--default-max-tokens", type=int, default=cfg.default_max_tokens)
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--exit-with-parent", action="store_true",
+                    help="exit when the parent process does (scripts/serve.sh: the tritonserver)")
     args = ap.parse_args(argv)
+    if args.exit_with_parent:
+        exit_with_parent(cfg.parent_pid)
     cfg.host, cfg.port, cfg.grpc_url = args.host, args.port, args.grpc_url
     if args.triton_model != cfg.triton_model and not args.served_model_name:
         cfg.served_model_names = [args.triton_model]
@@ -35,11 +55,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from .app import create_app
 
+    from triton_glue.config import check_tokenizer_folder
+
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path, trust_remote_code=False,
-                                            local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(check_tokenizer_folder(cfg.tokenizer_path),
+                                            trust_remote_code=False, local_files_only=True)
     except Exception as e:  # noqa: BLE001
-        print(f"error: cannot load the tokenizer from {cfg.tokenizer_path}: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"OpenAI frontend: http://{cfg.host}:{cfg.port}/v1 -> tritonserver {cfg.grpc_url} "
           f"model {cfg.triton_model!r} as {cfg.served_model_names}", file=sys.stderr, flush=True)

@@ -3,6 +3,11 @@
 #
 #   HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002   ports (these defaults)
 #   MODEL_PATH=/path/to/checkpoint                    another local Llama/Qwen checkpoint
+#   TOKENIZER_PATH=/path/to/tokenizer                 its tokenizer, when it lives elsewhere
+#   LLM_PARAM_<name>=value                            an llm model parameter (README), e.g.
+#                                                     LLM_PARAM_max_num_seqs=32
+#   OPENAI_PORT=9000                                  the OpenAI-compatible frontend (openai_frontend/,
+#                                                     /v1/...); OPENAI_PORT=off: none
 #   TRITON_ACCESS_KEY=secret                          unlocks the restricted APIs
 #                                                     (model-repository, shared-memory, logging)
 #                                                     with header `triton-access-key: secret`
@@ -27,4 +32,8 @@ fi
 export PATH="$VENV/bin:$PATH"
 [ "${1:-}" = "--" ] && shift
 echo "tritonserver: HTTP ${HTTP_PORT:-8000}, gRPC ${GRPC_PORT:-8001}, metrics ${METRICS_PORT:-8002}; model ${MODEL_PATH:-models/tiny-llama}" >&2
+if [ "${OPENAI_PORT:-9000}" != "off" ]; then
+  # beside the server; it exits when the server process does (--exit-with-parent)
+  OPENAI_PARENT_PID=$$ "$VENV/bin/python" -m openai_frontend --exit-with-parent &
+fi
 exec "$VENV/bin/python" -m triton_glue.launch serve -- "$@"

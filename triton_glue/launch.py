@@ -192,6 +192,21 @@ def options_from_env(args: argparse.Namespace) -> ServerOptions:
     )
 
 
+CPU_NOTE = ("note: no CUDA driver on this machine; tritonserver (a GPU build) logs \"CudaDriverHelper "
+            "has not been initialized\" and \"unable to create stream for ensemble: CUDA driver "
+            "version is insufficient\" at error level, and a pinned-memory warning: all harmless "
+            "here, every model runs on CPU")
+
+
+def cuda_driver_present() -> bool:
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m triton_glue.launch")
     ap.add_argument("command", choices=["serve", "env", "check", "argv"])
@@ -209,9 +224,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     env = server_env(inst)
     if args.command == "check":
+        # `tritonserver --help` prints its usage and exits 1: that is the success case here
         r = subprocess.run([str(inst.server), "--help"], env=env, capture_output=True)
-        print(f"tritonserver: {inst.server} (rc={r.returncode})\nbackends: {backend_dir}")
-        return 0 if r.returncode in (0, 1) and b"--model-repository" in (r.stdout + r.stderr) else 1
+        ok = r.returncode in (0, 1) and b"--model-repository" in (r.stdout + r.stderr)
+        print(f"tritonserver: {inst.server} ({'runs' if ok else f'does not run: exit {r.returncode}'})"
+              f"\nbackends: {backend_dir}")
+        return 0 if ok else 1
+    if args.command == "serve" and not cuda_driver_present():
+        print(CPU_NOTE, file=sys.stderr)
     if args.command == "env":
         for k in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH"):
             print(f"export {k}={env[k]!r}".replace("'", '"'))

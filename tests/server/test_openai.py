@@ -13,8 +13,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-import openai
 import pytest
+
+openai = pytest.importorskip("openai", reason="the openai package is not installed (requirements.txt)")
+pytest.importorskip("fastapi", reason="fastapi is not installed (requirements-triton.txt)")
+pytest.importorskip("uvicorn", reason="uvicorn is not installed (requirements-triton.txt)")
 
 from backend_lib import SamplingParams
 from triton_glue.detokenizer import full_text
