@@ -9,6 +9,23 @@ FORCE_SYNC_ENV = "BACKEND_LIB_FORCE_SYNC"
 LOG_LEVEL_ENV = "BACKEND_LIB_LOG_LEVEL"
 
 
+# Skinny-GEMM path of the decode projections (backend_lib/layers/skinny_gemm.py): off (the
+# default), on (per shape, only where the start-up measurement beats cuBLAS), force (every
+# tuned shape through the Triton kernel, faster or not: tests).
+SKINNY_GEMM_ENV = "BACKEND_LIB_SKINNY_GEMM"
+
+
+def skinny_gemm() -> str:
+    v = os.environ.get(SKINNY_GEMM_ENV, "off").strip().lower()
+    if v in ("", "0", "off", "false", "no"):
+        return "off"
+    if v in ("1", "on", "true", "yes"):
+        return "on"
+    if v == "force":
+        return "force"
+    raise ValueError(f"{SKINNY_GEMM_ENV}={v!r}: must be off, on or force")
+
+
 def force_sync() -> bool:
     return os.environ.get(FORCE_SYNC_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 

@@ -14,10 +14,12 @@ from typing import Optional
 
 import torch
 
+from . import envs
 from .config import AsyncDecision, EngineConfig
 from .decode_graphs import DecodeGraphs, DecodeMeta, graph_buckets
 from .handoff import HostStaging, StepHandle, TokenHandoff
 from .layers.attention import AttentionMetadata
+from .layers import skinny_gemm
 from .layers.sampler import SamplingTensors, sample
 from .models.loader import build_model
 from .scheduler import SchedulerOutput
@@ -72,6 +74,10 @@ class ModelRunner:
         # Largest upload: a mixed step's 4 x max_num_batched_tokens token rows (int64).
         self.staging = HostStaging(dev, 8 * (4 * cfg.max_num_batched_tokens + 8 * n + 4096))
         self.decision = decision
+        # Off by default; before graph capture, so the graphs capture the chosen kernels.
+        self.gemm_table = skinny_gemm.install(
+            self.model, [b for b in self._graph_buckets() if b <= skinny_gemm.MAX_M],
+            envs.skinny_gemm()) if self.device.type == "cuda" else None
         self.decode_graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda" and cfg.enable_cuda_graph and not self.is_pipeline_stage:
             self.decode_graphs = DecodeGraphs(self._decode_program, self.device, self._graph_buckets())

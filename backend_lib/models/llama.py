@@ -78,6 +78,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class Projection(nn.Linear):
+    """nn.Linear whose matmul may go through a per-shape GEMM table (layers/skinny_gemm.py,
+    set by `DecoderModel.set_gemm_table`); without one it is exactly nn.Linear."""
+
+    gemm = None  # SkinnyGemmTable or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.gemm.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, s: ModelShape, layer_idx: int):
         super().__init__()
@@ -85,8 +97,8 @@ class Attention(nn.Module):
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
         # q, k and v fused into one matmul (weights concatenated at load time).
-        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_proj_bias)
+        self.qkv_proj = Projection(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.attention_bias)
+        self.o_proj = Projection(self.q_size, s.hidden_size, bias=s.o_proj_bias)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
@@ -116,8 +128,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
-        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.gate_up_proj = Projection(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = Projection(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, x, fused: bool = False):
         if fused:
@@ -168,7 +180,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(self.layer_start, self.layer_end))
         if self.is_last:
             self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-            self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+            self.lm_head = Projection(s.hidden_size, s.vocab_size, bias=False)
         self.rotary: Optional[RotaryEmbedding] = None  # set by the loader (not built on meta)
 
     def forward(self, input_ids_or_hidden: torch.Tensor, positions: torch.Tensor,
@@ -182,6 +194,14 @@ class DecoderModel(nn.Module):
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv, meta)
         return x
+
+    def projections(self) -> list[Projection]:
+        return [m for m in self.modules() if isinstance(m, Projection)]
+
+    def set_gemm_table(self, table) -> None:
+        """Route every projection's matmul through `table.linear` (None: plain F.linear)."""
+        for p in self.projections():
+            p.gemm = table
 
     def _fused(self, x: torch.Tensor) -> bool:
         return self.use_fused_ops and fused_ops.available(x)
