@@ -52,3 +52,13 @@ def test_environment_override_errors_name_the_variable(monkeypatch):
     monkeypatch.setenv("LLM_PARAM_max_num_seqs", "lots")
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine_config(config)
+
+
+def test_readme_documents_every_parameter():
+    """README's LLM_PARAM table lists every llm parameter (EngineConfig fields + glue)."""
+    from triton_glue.config import GLUE_PARAMETERS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("#### Engine settings without editing config.pbtxt", 1)[1].split("\n### ", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    assert documented == set(engine_parameter_names()) | set(GLUE_PARAMETERS)

@@ -400,3 +400,48 @@ def test_invalid_json_and_unknown_route(frontend):
     assert status == 400 and "JSON" in err["error"]["message"]
     status, err = frontend.post("/v1/embeddings", {"model": MODEL, "input": "x"})
     assert status == 404 and "error" in err
+
+
+GENAI_PERF = ROOT / "build" / "genai-venv" / "bin" / "genai-perf"
+PERF_ANALYZER = ROOT / "build" / "bin" / "perf_analyzer"
+GENAI_REQUESTS = 8
+
+
+@pytest.mark.skipif(not GENAI_PERF.exists() or not PERF_ANALYZER.exists(),
+                    reason="genai-perf (scripts/install_genai_perf.sh) or perf_analyzer "
+                           "(scripts/install_triton.sh) is not installed")
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_genai_perf_openai_endpoint(frontend, server, tmp_path, endpoint):
+    """genai-perf's OpenAI endpoint types against the frontend (perf_analyzer's openai service kind)."""
+    success0 = server.metric("nv_inference_request_success", model=MODEL)
+    failure0 = server.metric("nv_inference_request_failure", model=MODEL)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="150",
+               PATH=f"{PERF_ANALYZER.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    art = tmp_path / "artifacts"
+    # (--output-tokens-mean-deterministic is for Triton service kinds only: ignore_eos instead)
+    cmd = [str(GENAI_PERF), "profile", "-m", MODEL, "--endpoint-type", endpoint, "--streaming",
+           "-u", f"127.0.0.1:{frontend.port}", "--tokenizer", str(MODEL_DIR),
+           "--num-dataset-entries", str(GENAI_REQUESTS), "--synthetic-input-tokens-mean", "16",
+           "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", "8",
+           "--extra-inputs", "ignore_eos:true", "--concurrency", "2",
+           "--request-count", str(GENAI_REQUESTS), "--warmup-request-count", "0", "--random-seed", "0",
+           "--artifact-dir", str(art)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (summary_path,) = art.glob("*/profile_export_genai_perf.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["request_count"]["avg"] == GENAI_REQUESTS
+    assert summary["input_sequence_length"]["avg"] == 16
+    assert summary["output_sequence_length"]["min"] > 0 and summary["time_to_first_token"]["avg"] > 0
+    (export_path,) = art.glob("*/profile_export.json")
+    requests = json.loads(export_path.read_text())["experiments"][0]["requests"]
+    assert len(requests) == GENAI_REQUESTS
+    for req in requests:
+        payload = json.loads(req["request_inputs"]["payload"])
+        assert payload["model"] == MODEL and payload["max_tokens"] == 8 and payload["stream"] is True
+        events = [o["response"] for o in req["response_outputs"]]
+        assert events[-1].strip() == "data: [DONE]" and len(events) >= 3, events
+        last = json.loads(events[-2].strip()[len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length", last  # 8 tokens, ignore_eos
+    assert server.metric("nv_inference_request_success", model=MODEL) - success0 == GENAI_REQUESTS
+    assert server.metric("nv_inference_request_failure", model=MODEL) == failure0

@@ -1,0 +1,86 @@
+"""`make serve` as the README runs it (scripts/serve.sh): tritonserver and the OpenAI frontend
+beside it, an engine setting changed through LLM_PARAM_<name> without editing config.pbtxt, and
+both processes gone after the server is stopped."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from triton_glue import launch
+
+from .conftest import MODEL_DIR, ROOT, START_TIMEOUT_S, free_ports
+from .util import wait_for
+
+openai = pytest.importorskip("openai", reason="the openai package is not installed (requirements.txt)")
+
+
+def _group(pgid: int) -> list[str]:
+    """Command lines of the live processes in process group `pgid`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def test_make_serve_runs_server_and_openai_frontend(tmp_path):
+    try:
+        launch.find_triton()
+    except launch.TritonNotFound as e:
+        pytest.skip(f"tritonserver not available: {e}")
+    http, grpc, metrics, oa = free_ports(4)
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "TOKENIZER_PATH")}
+    env.update(HTTP_PORT=str(http), GRPC_PORT=str(grpc), METRICS_PORT=str(metrics), OPENAI_PORT=str(oa),
+               LLM_PARAM_max_num_seqs="2", TRITON_BIND_ADDRESS="127.0.0.1", OPENAI_HOST="127.0.0.1")
+    log_path = tmp_path / "serve.log"
+    proc = subprocess.Popen(["bash", "scripts/serve.sh", "--", "--exit-timeout-secs=5"], cwd=ROOT, env=env,
+                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    log = lambda: log_path.read_text(errors="replace")  # noqa: E731
+    try:
+        assert wait_for(lambda: _get(f"http://127.0.0.1:{oa}/health") == 200 or proc.poll() is not None,
+                        START_TIMEOUT_S, 0.5), log()
+        assert proc.poll() is None, log()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{oa}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["vllm_model"]
+        r = client.chat.completions.create(model="vllm_model", max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+        text = log()
+        assert "llm: parameters from LLM_PARAM_* environment variables: {'max_num_seqs': '2'}" in text
+        started = next(l for l in text.splitlines() if "starting engine:" in l)
+        assert '\\"max_num_seqs\\": 2,' in started or '"max_num_seqs": 2,' in started, started
+        if not launch.cuda_driver_present():
+            assert launch.CPU_NOTE in text  # tritonserver's CUDA error lines are explained
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        left = wait_for(lambda: not _group(proc.pid), 30)
+        if not left:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert left, f"processes left after the server stopped: {_group(proc.pid)}"
+    assert _get(f"http://127.0.0.1:{oa}/v1/models") == 0  # the frontend went with the server
+    assert "Traceback" not in log(), log()
