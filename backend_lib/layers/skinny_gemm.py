@@ -4,7 +4,7 @@ At batch 1-16 a projection is a weight stream: every weight is read once and use
 so the kernel's job is to keep enough 16-byte weight loads in flight on every SM. A program
 owns BLOCK_N output columns and a 1/SPLIT_K slice of K; it walks its slice in BLOCK_K chunks
 (contiguous in W's rows, so the loads vectorize), accumulating in fp32:
-  - M == 1: a GEMV, elementwise products reduced once at the end (no tensor cores);
+  - M == 1: a GEMV, each chunk's products reduced into BLOCK_N fp32 sums (no tensor cores);
   - M > 1: tl.dot on a 16-row tile of x (rows past M masked to zero).
 SPLIT_K > 1 writes fp32 partials [SPLIT_K, M, N] and a second small kernel sums them, adds
 the bias and casts; SPLIT_K == 1 does that in the first kernel.
@@ -85,26 +85,31 @@ if HAS_TRITON:
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
-        else:
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            out_mask = m_mask[:, None] & n_mask[None, :]
+            if SPLIT:
+                tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
+            else:
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                         acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:  # M == 1: one output row
+            # Reduced every chunk: a [BLOCK_N, BLOCK_K] fp32 accumulator would hold 64+
+            # registers per thread and cut the CTAs (and loads in flight) per SM.
+            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 offs_k = k0 + offs_kb
                 k_mask = offs_k < k_hi
                 w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                             mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-                acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            acc = tl.sum(acc2, axis=1)[None, :]
-            offs_m = tl.arange(0, 1)
-            m_mask = offs_m < M
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT:
-            tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-                     acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            if SPLIT:
+                tl.store(part_ptr + pid_k * N + offs_n, acc1, mask=n_mask)
+            else:
+                if HAS_BIAS:
+                    acc1 += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                tl.store(y_ptr + offs_n, acc1.to(y_ptr.dtype.element_ty), mask=n_mask)
 
     @triton.jit
     def _split_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
