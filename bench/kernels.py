@@ -2,6 +2,7 @@
 small M against the weight-bandwidth roofline; and decode TPOT (issue 12's before/after).
 
     python -m bench.kernels --device cuda --out-dir $OUT        # H200: all three parts, ~3 min
+    python -m bench.kernels --device cuda --out-dir $OUT --skinny   # + census and TPOT b1/b8 with the skinny GEMM
     python -m bench.kernels --device cuda --no-tpot --batch 8   # census + GEMMs only, batch 8
     python -m bench.kernels                                     # CPU smoke run (scaled-down model)
 
@@ -30,6 +31,8 @@ counts profiler CPU ops instead of kernels; parts 2 and 3 are skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import re
@@ -227,6 +230,32 @@ def gemm_table(bandwidth: float) -> str:
     return "\n".join(rows)
 
 
+def census_of(path: str, args, trace: Path) -> dict:
+    census = profile_decode_steps(path, args, True, trace)
+    if args.device == "cuda" and len(census["events"]) < census["steps"] * census["num_layers"]:
+        # Fewer kernels than layers: the profiler did not see inside the graph replays.
+        _log("  the profiler saw no kernels inside the graph replays: census repeated with graphs off")
+        census = profile_decode_steps(path, args, False, trace)
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return census
+
+
+@contextlib.contextmanager
+def _skinny_env(on: bool):
+    from backend_lib import envs
+    old = os.environ.get(envs.SKINNY_GEMM_ENV)
+    os.environ[envs.SKINNY_GEMM_ENV] = "on" if on else "off"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[envs.SKINNY_GEMM_ENV]
+        else:
+            os.environ[envs.SKINNY_GEMM_ENV] = old
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -241,8 +270,9 @@ def parse_args(argv=None):
     ap.add_argument("--out-dir", default="/tmp/bench-out", help="kernels.md, kernels.json, kernels_trace.json")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM-shape table")
     ap.add_argument("--no-tpot", action="store_true", help="skip the TPOT run (bench.decode)")
-    ap.add_argument("--tpot-skinny", action="store_true",
-                    help="also run the TPOT of batch 1 and 8 with BACKEND_LIB_SKINNY_GEMM=on (start-up selection)")
+    ap.add_argument("--skinny", action="store_true",
+                    help="also the census and the TPOT of batch 1 and 8 with BACKEND_LIB_SKINNY_GEMM=on "
+                         "(the start-up selection of layers/skinny_gemm.py)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but torch.cuda.is_available() is False")
@@ -264,20 +294,22 @@ def main(argv=None) -> int:
             "steps": args.steps}
     _log(f"kernel bench on {args.device} ({meta['gpu'] or 'cpu'}), torch {torch.__version__}")
     path = build_model(args)
-    census = profile_decode_steps(path, args, True, out / "kernels_trace.json")
-    if cuda and len(census["events"]) < census["steps"] * census["num_layers"]:
-        # Fewer kernels than layers: the profiler did not see inside the graph replays.
-        _log("  the profiler saw no kernels inside the graph replays: census repeated with graphs off")
-        census = profile_decode_steps(path, args, False, out / "kernels_trace.json")
-    sections = [f"## Kernels of one decode step: qwen2.5-0.5b shape, batch {args.batch}, prompt {args.prompt_len}\n",
-                census_tables(census, cuda)]
-    result = {"meta": meta, "census": {k: v for k, v in census.items() if k != "events"},
-              "kernels_per_step": len(census["events"]) / census["steps"]}
+    sections: list[str] = []
+    result: dict = {"meta": meta}
+    for skinny in ([False, True] if (cuda and args.skinny) else [False]):
+        tag = " (BACKEND_LIB_SKINNY_GEMM=on)" if skinny else ""
+        with _skinny_env(skinny):
+            census = census_of(path, args, out / f"kernels_trace{'_skinny' if skinny else ''}.json")
+        sections += [f"## Kernels of one decode step: qwen2.5-0.5b shape, batch {args.batch}, "
+                     f"prompt {args.prompt_len}{tag}\n", census_tables(census, cuda), ""]
+        result["census" + ("_skinny" if skinny else "")] = {
+            "kernels_per_step": len(census["events"]) / census["steps"],
+            **{k: v for k, v in census.items() if k != "events"}}
     if cuda and not args.no_gemm:
         from bench.decode import measure_copy_bandwidth
         bw = measure_copy_bandwidth()
         meta["copy_bandwidth_Bps"] = bw
-        sections += [f"\n## GEMM shapes at small M (bf16, weights from HBM; copy bandwidth {bw / 1e12:.2f} TB/s)\n",
+        sections += [f"## GEMM shapes at small M (bf16, weights from HBM; copy bandwidth {bw / 1e12:.2f} TB/s)\n",
                      gemm_table(bw)]
     md = "\n".join(sections)
     (out / "kernels.md").write_text(md + "\n")
@@ -286,13 +318,11 @@ def main(argv=None) -> int:
         from bench import decode
         decode.main(["--device", "cuda", "--impls", "async", "--batches", "1,8,64,256", "--timeline", "",
                      "--model-dir", args.model_dir, "--out-dir", str(out)])
-        if args.tpot_skinny:
-            from backend_lib import envs
-            os.environ[envs.SKINNY_GEMM_ENV] = "on"
-            print("\n## TPOT with BACKEND_LIB_SKINNY_GEMM=on\n")
-            decode.main(["--device", "cuda", "--impls", "async", "--batches", "1,8", "--timeline", "",
-                         "--model-dir", args.model_dir, "--out-dir", str(out / "skinny")])
-            del os.environ[envs.SKINNY_GEMM_ENV]
+        if args.skinny:
+            print("\n## TPOT with BACKEND_LIB_SKINNY_GEMM=on (batch 1 and 8: the graph buckets it tunes)\n")
+            with _skinny_env(True):
+                decode.main(["--device", "cuda", "--impls", "async", "--batches", "1,8", "--timeline", "",
+                             "--model-dir", args.model_dir, "--out-dir", str(out / "skinny")])
     print(f"\n(kernel bench: {time.time() - t_start:.0f} s; trace {out / 'kernels_trace.json'})\n")
     print(md)
     return 0

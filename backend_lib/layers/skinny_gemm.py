@@ -168,7 +168,7 @@ def weight_copies(w: torch.Tensor, b: Optional[torch.Tensor], l2_bytes: int = 12
     return [(w, b)] + [(w.clone(), None if b is None else b.clone()) for _ in range(n - 1)]
 
 
-def time_linear_us(fn: Callable, x: torch.Tensor, copies: list, calls: int = 100) -> float:
+def time_linear_us(fn: Callable, x: torch.Tensor, copies: list, calls: int = 50) -> float:
     """Median µs per call of fn(x, w, b), cycling through `copies` (after warm-up)."""
     for w, b in copies[:3]:
         fn(x, w, b)

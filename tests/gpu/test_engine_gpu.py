@@ -125,10 +125,11 @@ def _preemption_churn(path, mode, budget, seed, n=120):
 
 @pytest.mark.parametrize("budget", [5, 7, 9, 11])
 def test_gpu_async_equals_sync_heavy_preemption_tiny_budgets(tiny_llama_path, budget):
-    sync, s_stats, s_graphs, _ = _preemption_churn(tiny_llama_path, "off", budget, seed=budget)
-    asyn, a_stats, a_graphs, forced = _preemption_churn(tiny_llama_path, "on", budget, seed=budget)
+    sync, s_stats, s_graphs, s_forced = _preemption_churn(tiny_llama_path, "off", budget, seed=budget)
+    asyn, a_stats, a_graphs, a_forced = _preemption_churn(tiny_llama_path, "on", budget, seed=budget)
     assert a_stats.async_steps_total > 0 and s_stats.async_steps_total == 0
-    assert s_stats.num_preemptions > forced > 0 and a_stats.num_preemptions > 0
+    # Forced preemptions on top of the scheduler's own (KV pressure), in both runs.
+    assert s_stats.num_preemptions > s_forced > 0 and a_stats.num_preemptions > a_forced > 0
     # The async run replayed saved graph metadata; the sync run never can (host ids each step).
     assert a_graphs.steps_reused > 0 and s_graphs.steps_reused == 0
     assert sync == asyn
