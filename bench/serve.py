@@ -65,6 +65,7 @@ if str(REPO_ROOT) not in sys.path:
 SAMPLINGS = {"greedy": {"temperature": 0.0, "top_p": 1.0},
              "top_p": {"temperature": 0.7, "top_p": 0.9}}
 LLM_CONFIG = REPO_ROOT / "model_repository" / "llm" / "config.pbtxt"
+PYTHON_SWITCH_INTERVAL_S = sys.getswitchinterval()
 
 
 def log(msg: str) -> None:
@@ -91,7 +92,10 @@ def engine_params(args, model_path: str) -> dict[str, str]:
     the shipped config (engine "shipped") or its large-batch variant (engine "large": 256
     sequences, 8192-token budget, graphs up to 256), sized so that the run's longest request
     fits (max_model_len) and every running sequence has its blocks (num_kv_blocks)."""
-    p = {k: v for k, v in shipped_parameters().items() if k not in _glue_parameter_names()}
+    # engine fields, plus the one glue parameter that acts on the process and so also on the
+    # in-process runs (new_engine)
+    p = {k: v for k, v in shipped_parameters().items()
+         if k not in _glue_parameter_names() or k == "gil_switch_interval_ms"}
     if args.engine == "large":
         p.update(max_num_seqs="256", max_num_batched_tokens="8192", cuda_graph_max_batch="256")
     bs = int(p["block_size"])
@@ -278,6 +282,14 @@ def steady_step(recs: list[Record]) -> tuple[Optional[float], int]:
 def new_engine(params: dict[str, str], **overrides):
     from backend_lib import AsyncEngine, EngineConfig
     cfg = EngineConfig.from_parameters(dict(params, **overrides))
+    # the llm model's process-wide GIL switch interval, when the run sets one (--set), applies
+    # here too, so that both paths run with the same one
+    switch_ms = params.get("gil_switch_interval_ms", "").strip()
+    if switch_ms:
+        from triton_glue.config import positive_ms
+        sys.setswitchinterval(positive_ms("gil_switch_interval_ms", switch_ms) / 1e3)
+    else:
+        sys.setswitchinterval(PYTHON_SWITCH_INTERVAL_S)
     t = time.perf_counter()
     eng = AsyncEngine(cfg)
     log(f"in-process engine ready in {time.perf_counter() - t:.1f} s "

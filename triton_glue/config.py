@@ -41,7 +41,21 @@ GLUE_PARAMETERS = {
     # streaming: "auto" merges a request's tokens into one response while the sender is behind
     # the engine (step outputs queued up), one response per step otherwise; "off": per step
     "stream_coalesce": "auto",
+    # sys.setswitchinterval for the model's process, in ms ("" keeps Python's 5 ms): how long
+    # the sender thread may hold the GIL while the engine loop waits for it
+    "gil_switch_interval_ms": "",
 }
+
+
+def positive_ms(name: str, raw: str, limit: float = 1000.0) -> float:
+    """A glue parameter in milliseconds: a number in (0, limit], or ValueError naming it."""
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not 0.0 < v <= limit:  # also rejects nan
+        raise ValueError(f"parameter {name!r} must be a number of ms in (0, {limit:g}], not {raw!r}")
+    return v
 
 
 def parameters_of(model_config: Union[str, Mapping[str, Any]]) -> dict[str, str]:

@@ -81,6 +81,9 @@ class TritonPythonModel:
         if coalesce not in ("auto", "off"):
             raise ValueError(f"parameter 'stream_coalesce' must be 'auto' or 'off', not {coalesce!r}")
         self.coalesce = coalesce == "auto"
+        switch_ms = glue_config.glue_parameter(self.model_config, "gil_switch_interval_ms").strip()
+        if switch_ms:
+            sys.setswitchinterval(glue_config.positive_ms("gil_switch_interval_ms", switch_ms) / 1e3)
         self.metrics = EngineMetrics(pb_utils, {"model": self.name, "version": args["model_version"]})
 
         from backend_lib import AsyncEngine
