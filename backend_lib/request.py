@@ -18,6 +18,12 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+# Multi-token stop sequences are matched on the host (Scheduler.update), so their limits are
+# independent of the device-side stop-id table (EngineConfig.max_stop_token_ids).
+MAX_STOP_SEQUENCES = 256
+MAX_STOP_SEQUENCE_LEN = 64
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -35,6 +41,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     bad_token_ids: list[int] = field(default_factory=list)  # never sampled
+    # token sequences that end the request once generated in full (TensorRT-LLM's stop words);
+    # the stop sequence's tokens stay in the output, finish reason "stop"
+    stop_sequences: list[list[int]] = field(default_factory=list)
 
     def validate(self, max_model_len: int, vocab_size: int, max_stop_ids: int) -> None:
         """Raise ValueError naming the field and its limit."""
@@ -62,6 +71,14 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids may hold at most {max_stop_ids} ids (got {len(self.stop_token_ids)})")
         if len(self.bad_token_ids) > max_stop_ids:
             raise ValueError(f"bad_token_ids may hold at most {max_stop_ids} ids (got {len(self.bad_token_ids)})")
+        if len(self.stop_sequences) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop_sequences may hold at most {MAX_STOP_SEQUENCES} sequences "
+                             f"(got {len(self.stop_sequences)})")
+        for seq in self.stop_sequences:
+            if not isinstance(seq, (list, tuple)) or not (1 <= len(seq) <= MAX_STOP_SEQUENCE_LEN) \
+                    or any(not _is_int(t) or not (0 <= t < vocab_size) for t in seq):
+                raise ValueError(f"stop_sequences must hold sequences of 1 to {MAX_STOP_SEQUENCE_LEN} "
+                                 f"token ids in [0, {vocab_size}) (got {seq!r})")
 
 
 def _is_int(v: object) -> bool:

@@ -248,6 +248,8 @@ class Scheduler:
         if n_out >= sp.min_tokens:
             if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
                 return FinishReason.STOP
+            if sp.stop_sequences and _ends_with_any(req.output_token_ids, sp.stop_sequences):
+                return FinishReason.STOP
         if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -278,3 +280,13 @@ class Scheduler:
     def take_finished(self) -> list[RequestOutput]:
         outs, self._pending_finished = self._pending_finished, []
         return outs
+
+
+def _ends_with_any(tokens: list[int], sequences: list[list[int]]) -> bool:
+    """True when the generated tokens end with one of the stop sequences (checked after each
+    new token, so a sequence is found on the step that completes it)."""
+    for seq in sequences:
+        n = len(seq)
+        if n <= len(tokens) and tokens[-1] == seq[-1] and tokens[-n:] == list(seq):
+            return True
+    return False

@@ -202,3 +202,42 @@ def test_sampler_draws_from_the_softmax_distribution():
         freq = torch.bincount(toks, minlength=v).double() / n
         sigma = (probs * (1 - probs) / n).sqrt().double()
         assert torch.all((freq - probs.double()).abs() <= 4.5 * sigma + 1e-12), (temp, top_k, top_p, freq, probs)
+
+
+def _first_end(tokens, seqs):
+    """Index of the last token of the earliest complete occurrence of any of seqs, or None."""
+    for j in range(len(tokens)):
+        if any(len(s) <= j + 1 and tokens[j + 1 - len(s):j + 1] == s for s in seqs):
+            return j
+    return None
+
+
+@pytest.mark.parametrize("async_mode", ["off", "on"])
+def test_stop_sequences_cut_after_the_full_sequence(path, async_mode):
+    """Multi-token stop sequences (TensorRT-LLM's stop words): the request stops on the token
+    that completes one, that sequence stays in the output, and a partial match never stops."""
+    from engine_helpers import hf_greedy
+    eng = make_engine(path, async_token_handoff=async_mode, max_num_batched_tokens=32)
+    prompts = _prompts(6, seed=11)
+    free = [hf_greedy(path, p, 30) for p in prompts]  # the reference: HF greedy, no stops
+    params, expect = [], []
+    for i, toks in enumerate(free):
+        n = 2 + i % 3
+        # the second sequence matches at index 3 but not at 4: a partial match
+        seqs = [toks[6 + i:6 + i + n], [toks[3], (toks[4] + 1) % 768]]
+        params.append(greedy(30, ignore_eos=True, stop_sequences=seqs))
+        expect.append(_first_end(toks, seqs))
+    outs = eng.generate(prompts, params)
+    for toks, cut, out in zip(free, expect, outs):
+        assert cut is not None
+        assert out.token_ids == toks[:cut + 1] and out.finish_reason == "stop"
+    assert eng.stats().kv_blocks_used == 0
+
+
+def test_stop_sequences_limits_name_the_field(eng):
+    from backend_lib.request import MAX_STOP_SEQUENCE_LEN, MAX_STOP_SEQUENCES
+    for bad in ([[]], [[1] * (MAX_STOP_SEQUENCE_LEN + 1)], [[10 ** 6]], [[5]] * (MAX_STOP_SEQUENCES + 1)):
+        with pytest.raises(ValueError, match="stop_sequences"):
+            eng.generate([[5, 6, 7]], greedy(4, stop_sequences=bad))
+    out = eng.generate([[5, 6, 7]], greedy(4, ignore_eos=True, stop_sequences=[[5] * MAX_STOP_SEQUENCE_LEN] * MAX_STOP_SEQUENCES))
+    assert len(out[0].token_ids) >= 1
