@@ -28,6 +28,7 @@ from .detokenizer import IncrementalDetokenizer
 from .inputs import InputError, TextRequest
 from .stops import StopStringMatcher
 from .tokenize import encode_prompt, model_tokenizer, words_to_single_token_ids
+from .trtllm import parse_word_list, word_list_batch
 
 log = logging.getLogger("triton_glue.bls")
 CANCEL_PREFIX = "bls-"
@@ -83,8 +84,9 @@ class BlsRoute:
                     flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
-    def submit(self, request: Any, parsed: TextRequest) -> None:
-        sender = request.get_response_sender()
+    def submit(self, request: Any, parsed: TextRequest, sender: Any = None) -> None:
+        """sender: the request's response sender, or a stand-in for it (a batch row's)."""
+        sender = sender if sender is not None else request.get_response_sender()
         self.pool.submit(self._run_safe, sender, parsed)
 
     def close(self) -> None:
@@ -105,40 +107,47 @@ class BlsRoute:
             sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(f"internal error: {e!r}")),
                         flags=FINAL)
 
-    def _tokenize(self, req: TextRequest) -> tuple[list[int], list[int]]:
+    def _tokenize(self, req: TextRequest) -> tuple[list[int], list[int], list[list[int]]]:
+        """(prompt ids, bad token ids, stop token sequences). Through `preprocessing`
+        (TensorRT-LLM's): stop words become token sequences the engine stops on."""
         if self.pre_model is None:
             ids = encode_prompt(self.tok, req.text)
             bad = words_to_single_token_ids(self.tok, "bad_words", req.bad_words)
-            return ids, bad
+            return ids, bad, []
         pb = self.pb
         inputs = [pb.Tensor("QUERY", np.array([[req.text.encode("utf-8")]], dtype=np.object_)),
                   pb.Tensor("REQUEST_OUTPUT_LEN", np.array([[16 if req.sampling.max_tokens is None else req.sampling.max_tokens]], dtype=np.int32))]
-        if req.bad_words:
-            inputs.append(pb.Tensor("BAD_WORDS_DICT", np.array([[w.encode() for w in req.bad_words]],
-                                                               dtype=np.object_)))
+        for name, words in (("BAD_WORDS_DICT", req.bad_words), ("STOP_WORDS_DICT", req.stop_strings)):
+            if words:
+                inputs.append(pb.Tensor(name, np.array([[w.encode() for w in words]], dtype=np.object_)))
         resp = pb.InferenceRequest(model_name=self.pre_model, inputs=inputs,
-                                   requested_output_names=["INPUT_ID", "BAD_WORDS_IDS"]).exec()
+                                   requested_output_names=["INPUT_ID", "REQUEST_INPUT_LEN", "BAD_WORDS_IDS",
+                                                           "STOP_WORDS_IDS"]).exec()
         if resp.has_error():
             raise _UpstreamError(resp.error().message())
-        ids = pb.get_output_tensor_by_name(resp, "INPUT_ID").as_numpy().reshape(-1).tolist()
-        bad = [t for t in pb.get_output_tensor_by_name(resp, "BAD_WORDS_IDS").as_numpy().reshape(-1).tolist()
-               if t >= 0]
-        return ids, bad
+        n = int(pb.get_output_tensor_by_name(resp, "REQUEST_INPUT_LEN").as_numpy().reshape(-1)[0])
+        ids = pb.get_output_tensor_by_name(resp, "INPUT_ID").as_numpy().reshape(-1).tolist()[:n]
+        bad = [s[0] for s in parse_word_list("bad_words", pb.get_output_tensor_by_name(resp, "BAD_WORDS_IDS").as_numpy())]
+        stops = parse_word_list("stop_words", pb.get_output_tensor_by_name(resp, "STOP_WORDS_IDS").as_numpy())
+        return ids, bad, stops
 
-    def _llm_request(self, req: TextRequest, ids: list[int], bad: list[int], key: str) -> Any:
+    def _llm_request(self, req: TextRequest, ids: list[int], bad: list[int], stops: list[list[int]],
+                     key: str) -> Any:
         pb, s = self.pb, req.sampling
 
         def t(name, value, dtype):
             return pb.Tensor(name, np.array([value], dtype=dtype).reshape(1, -1))
 
-        inputs = [t("input_ids", ids, np.int64), t("max_tokens", [16 if s.max_tokens is None else s.max_tokens], np.int32),
-                  t("stream", [True], np.bool_), t("exclude_input_in_output", [True], np.bool_)]
-        if s.temperature is not None:
-            inputs.append(t("temperature", [s.temperature], np.float32))
-        if s.top_k is not None:
-            inputs.append(t("top_k", [s.top_k], np.int32))
-        if s.top_p is not None:
-            inputs.append(t("top_p", [s.top_p], np.float32))
+        # Sampling knobs are always explicit: `llm` reads absent top_k/top_p as TensorRT-LLM
+        # does (greedy); None here means the vLLM defaults (temperature 1, no top-k/top-p).
+        inputs = [t("input_ids", ids, np.int32), t("max_tokens", [16 if s.max_tokens is None else s.max_tokens], np.int32),
+                  t("stream", [True], np.bool_), t("exclude_input_in_output", [True], np.bool_),
+                  t("temperature", [1.0 if s.temperature is None else s.temperature], np.float32),
+                  t("top_k", [-1 if s.top_k is None else s.top_k], np.int32),
+                  t("top_p", [1.0 if s.top_p is None else s.top_p], np.float32)]
+        if stops or s.stop_sequences:
+            words = word_list_batch([list(s.stop_sequences) + stops])
+            inputs.append(pb.Tensor("stop_words_list", words))
         if s.seed is not None:
             if s.seed < 0:
                 raise InputError("seed", f"must be >= 0 (got {s.seed})")
@@ -146,9 +155,9 @@ class BlsRoute:
         if s.min_tokens:
             inputs.append(t("min_tokens", [s.min_tokens], np.int32))
         if s.stop_token_ids:
-            inputs.append(t("stop_token_ids", s.stop_token_ids, np.int64))
+            inputs.append(t("stop_token_ids", s.stop_token_ids, np.int32))
         if bad or s.bad_token_ids:
-            inputs.append(t("bad_token_ids", list(s.bad_token_ids) + bad, np.int64))
+            inputs.append(t("bad_token_ids", list(s.bad_token_ids) + bad, np.int32))
         if s.ignore_eos:
             inputs.append(t("ignore_eos", [True], np.bool_))
         return pb.InferenceRequest(model_name=self.llm_model, inputs=inputs, request_id=key,
@@ -172,11 +181,12 @@ class BlsRoute:
     def _run(self, sender: Any, req: TextRequest) -> None:
         pb = self.pb
         FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        ids, bad = self._tokenize(req)
+        ids, bad, stop_seqs = self._tokenize(req)
         key = f"{CANCEL_PREFIX}{uuid.uuid4().hex}"
-        it = self._llm_request(req, ids, bad, key).exec(decoupled=True)
+        it = self._llm_request(req, ids, bad, stop_seqs, key).exec(decoupled=True)
         detok = IncrementalDetokenizer(self.tok, ids, req.skip_special_tokens)
-        stops = StopStringMatcher(req.stop_strings, req.include_stop_str_in_output)
+        # stop words that became token sequences are the engine's; the rest are matched on text
+        stops = StopStringMatcher([] if self.pre_model else req.stop_strings, req.include_stop_str_in_output)
         prefix_text = req.text if not req.exclude_input else ""
         acc_text: list[str] = []
         n_acc = 0

@@ -1,4 +1,5 @@
-"""Typed request parsing for every route. Input: a mapping from input name to numpy array
+"""Typed request parsing shared by the routes (TensorRT-LLM tensors: triton_glue/trtllm.py; vllm_backend:
+triton_glue/vllm_compat.py). Input: a mapping from input name to numpy array
 (model.py builds it from the pb_utils request). Output: typed dataclasses. Every error is an
 `InputError` whose message starts with the offending field's name.
 
@@ -7,8 +8,6 @@ the field); here we check presence, shape, dtype-level coercion and cross-field 
 """
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -47,28 +46,6 @@ def get_bool(arrays: Arrays, name: str, default: bool) -> bool:
     return bool(v)
 
 
-def get_int(arrays: Arrays, name: str, default: Optional[int]) -> Optional[int]:
-    v = _one(arrays, name)
-    if v is None:
-        return default
-    if isinstance(v, (float, np.floating)) and not float(v).is_integer():
-        raise InputError(name, f"must be an integer (got {v!r})")
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise InputError(name, f"must be an integer (got {v!r})") from None
-
-
-def get_float(arrays: Arrays, name: str, default: Optional[float]) -> Optional[float]:
-    v = _one(arrays, name)
-    if v is None:
-        return default
-    f = float(v)
-    if math.isnan(f) or math.isinf(f):
-        raise InputError(name, f"must be a finite number (got {f!r})")
-    return f
-
-
 def decode_utf8(name: str, raw: Any) -> str:
     if isinstance(raw, str):
         return raw
@@ -90,30 +67,6 @@ def get_text(arrays: Arrays, name: str, required: bool = True) -> Optional[str]:
     if arr.size != 1:
         raise InputError(name, f"expected exactly one string, got shape {list(arr.shape)}")
     return decode_utf8(name, arr.reshape(-1)[0])
-
-
-def get_strings(arrays: Arrays, name: str) -> list[str]:
-    """A [-1] / [1, -1] string list; empty strings dropped."""
-    arr = arrays.get(name)
-    if arr is None:
-        return []
-    out = [decode_utf8(name, x) for x in np.asarray(arr).reshape(-1)]
-    return [s for s in out if s != ""]
-
-
-def get_ids(arrays: Arrays, name: str) -> Optional[list[int]]:
-    arr = arrays.get(name)
-    if arr is None:
-        return None
-    arr = np.asarray(arr)
-    if arr.ndim == 2 and arr.shape[0] != 1:
-        raise InputError(name, f"batch size must be 1 (got shape {list(arr.shape)}); "
-                               "send one request per sequence")
-    if arr.ndim > 2:
-        raise InputError(name, f"must be 1-D (got shape {list(arr.shape)})")
-    if arr.dtype.kind not in "iu":
-        raise InputError(name, f"must hold integer token ids (got dtype {arr.dtype})")
-    return [int(x) for x in arr.reshape(-1)]
 
 
 def parse_bool(name: str, text: str) -> bool:
@@ -143,6 +96,7 @@ class SamplingFields:
     seed: Optional[int] = None
     stop_token_ids: list[int] = field(default_factory=list)
     bad_token_ids: list[int] = field(default_factory=list)
+    stop_sequences: list[list[int]] = field(default_factory=list)
     ignore_eos: bool = False
 
     def to_params(self, default_max_tokens: int = 16, default_temperature: float = 1.0):
@@ -156,65 +110,9 @@ class SamplingFields:
             seed=self.seed,
             stop_token_ids=list(self.stop_token_ids),
             bad_token_ids=list(self.bad_token_ids),
+            stop_sequences=[list(q) for q in self.stop_sequences],
             ignore_eos=self.ignore_eos,
         )
-
-
-def _check_neutral(arrays: Arrays, name: str, neutral: float) -> None:
-    v = get_float(arrays, name, None)
-    if v is not None and v != neutral:
-        raise InputError(name, f"is not supported by this engine (only {neutral} is accepted)")
-
-
-def _check_false(arrays: Arrays, name: str) -> None:
-    if get_bool(arrays, name, False):
-        raise InputError(name, "is not supported by this engine (only false is accepted)")
-
-
-def _check_one(arrays: Arrays, name: str) -> None:
-    v = get_int(arrays, name, None)
-    if v is not None and v != 1:
-        raise InputError(name, f"must be 1: this engine returns one sequence (got {v})")
-
-
-def check_unsupported_trtllm(arrays: Arrays) -> None:
-    """TensorRT-LLM inputs we accept for interface compatibility only at their neutral value."""
-    for n in ("repetition_penalty", "length_penalty"):
-        _check_neutral(arrays, n, 1.0)
-    for n in ("presence_penalty", "frequency_penalty"):
-        _check_neutral(arrays, n, 0.0)
-    for n in ("return_log_probs", "return_context_logits", "return_generation_logits"):
-        _check_false(arrays, n)
-    for n in ("beam_width", "num_return_sequences"):
-        _check_one(arrays, n)
-
-
-def parse_sampling_tensors(arrays: Arrays) -> SamplingFields:
-    """TensorRT-LLM style sampling inputs (ensemble, llm_bls, llm)."""
-    check_unsupported_trtllm(arrays)
-    f = SamplingFields()
-    f.max_tokens = get_int(arrays, "max_tokens", None)
-    mt = get_int(arrays, "min_tokens", None)
-    ml = get_int(arrays, "min_length", None)  # TensorRT-LLM's older name
-    if mt is not None and ml is not None and mt != ml:
-        raise InputError("min_tokens", f"and its alias min_length disagree ({mt} vs {ml})")
-    f.min_tokens = mt if mt is not None else (ml if ml is not None else 0)
-    f.temperature = get_float(arrays, "temperature", None)
-    f.top_k = get_int(arrays, "top_k", None)
-    f.top_p = get_float(arrays, "top_p", None)
-    f.seed = get_int(arrays, "seed", None)
-    if f.seed is None:
-        f.seed = get_int(arrays, "random_seed", None)
-    f.ignore_eos = get_bool(arrays, "ignore_eos", False)
-    # -1 pads ragged lists (TensorRT-LLM convention)
-    f.stop_token_ids = [t for t in (get_ids(arrays, "stop_token_ids") or []) if t >= 0]
-    f.bad_token_ids = [t for t in (get_ids(arrays, "bad_token_ids") or []) if t >= 0]
-    end_id = get_int(arrays, "end_id", None)
-    if end_id is not None and end_id >= 0:
-        # TensorRT-LLM's end_id replaces the model's EOS.
-        f.ignore_eos = True
-        f.stop_token_ids = list(f.stop_token_ids) + [end_id]
-    return f
 
 
 @dataclass
@@ -226,28 +124,6 @@ class TokenRequest:
     exclude_input: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
-
-
-def parse_token_request(arrays: Arrays) -> TokenRequest:
-    if batch_size(arrays, "input_ids") != 1:
-        raise InputError("input_ids", f"batch size must be 1 (got {batch_size(arrays, 'input_ids')}); "
-                                      "send one request per prompt")
-    ids = get_ids(arrays, "input_ids")
-    if ids is None:
-        raise InputError("input_ids", "is required")
-    if len(ids) == 0:
-        raise InputError("input_ids", "prompt must not be empty")
-    samp = parse_sampling_tensors(arrays)
-    if samp.max_tokens is None:
-        raise InputError("max_tokens", "is required")
-    return TokenRequest(
-        prompt_ids=ids,
-        sampling=samp,
-        stream=get_bool(arrays, "stream", False),
-        exclude_input=get_bool(arrays, "exclude_input_in_output", False),
-        return_num_input_tokens=get_bool(arrays, "return_num_input_tokens", False),
-        return_num_output_tokens=get_bool(arrays, "return_num_output_tokens", False),
-    )
 
 
 @dataclass
@@ -264,26 +140,3 @@ class TextRequest:
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
-
-
-def parse_trtllm_text_request(arrays: Arrays) -> TextRequest:
-    """TensorRT-LLM ensemble/BLS interface."""
-    if batch_size(arrays, "text_input") != 1:
-        raise InputError("text_input", f"batch size must be 1 (got {batch_size(arrays, 'text_input')})")
-    text = get_text(arrays, "text_input")
-    if text == "":
-        raise InputError("text_input", "prompt must not be empty")
-    samp = parse_sampling_tensors(arrays)
-    if samp.max_tokens is None:
-        raise InputError("max_tokens", "is required")
-    return TextRequest(
-        text=text,
-        sampling=samp,
-        stop_strings=get_strings(arrays, "stop_words"),
-        bad_words=get_strings(arrays, "bad_words"),
-        stream=get_bool(arrays, "stream", False),
-        exclude_input=get_bool(arrays, "exclude_input_in_output", False),
-        return_finish_reason=True,
-        return_num_input_tokens=get_bool(arrays, "return_num_input_tokens", False),
-        return_num_output_tokens=get_bool(arrays, "return_num_output_tokens", False),
-    )

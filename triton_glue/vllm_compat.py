@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Optional
 
+import numpy as np
+
 from .inputs import (Arrays, InputError, SamplingFields, TextRequest, batch_size, get_bool,
                      get_text, parse_bool)
 
@@ -122,9 +124,31 @@ def parse_sampling_parameters(text: Optional[str]) -> tuple[SamplingFields, dict
     return samp, extra
 
 
+VLLM_ERROR_PREFIX = "Error generating stream: "  # vllm_backend's wording of every request error
+# vllm_backend's message, word for word (its ci/L0_backend_vllm/enabled_stream test checks it)
+STREAM_PROMPT_ERROR = "When streaming, `exclude_input_in_output` = False is not allowed."
+
+
+class VllmRequestError(InputError):
+    """An InputError worded as vllm_backend words it: "Error generating stream: <field>: ..."."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(field_name, message)
+        self.args = (f"{VLLM_ERROR_PREFIX}{message}",)
+
+
 def parse_vllm_request(arrays: Arrays, request_parameters: Optional[str] = None) -> TextRequest:
     """`request_parameters`: the request's own parameters JSON (vllm_backend reads those when the
-    `sampling_parameters` input is absent)."""
+    `sampling_parameters` input is absent). Errors: VllmRequestError."""
+    try:
+        return _parse_vllm_request(arrays, request_parameters)
+    except VllmRequestError:
+        raise
+    except InputError as e:
+        raise VllmRequestError(e.field, str(e)) from None
+
+
+def _parse_vllm_request(arrays: Arrays, request_parameters: Optional[str]) -> TextRequest:
     if batch_size(arrays, "text_input") != 1:
         raise InputError("text_input", "expected exactly one prompt")
     text = get_text(arrays, "text_input")
@@ -140,8 +164,14 @@ def parse_vllm_request(arrays: Arrays, request_parameters: Optional[str] = None)
     else:
         exclude = bool(stream)  # vllm_backend: prepend the prompt unless streaming
     if stream and not exclude:
-        raise InputError("exclude_input_in_output",
-                         "must be true when streaming (vllm_backend does not prepend the prompt to a stream)")
+        raise VllmRequestError("exclude_input_in_output", STREAM_PROMPT_ERROR)
+    for name in ("return_logprobs", "return_cumulative_logprob"):
+        if get_bool(arrays, name, False):
+            raise InputError(name, "log probabilities are not available in this engine yet")
+    for name, why in (("image", "multimodal inputs are not supported"),
+                      ("embedding_request", "embedding requests are not supported")):
+        if name in arrays and np.asarray(arrays[name]).size:
+            raise InputError(name, why)
     return TextRequest(
         text=text, sampling=samp, stop_strings=extra["stop"], bad_words=extra["bad_words"],
         stream=stream, exclude_input=exclude,

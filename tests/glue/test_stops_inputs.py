@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from triton_glue.inputs import (InputError, parse_token_request, parse_trtllm_text_request)
+from triton_glue.inputs import InputError
 from triton_glue.stops import StopStringMatcher
 from triton_glue.vllm_compat import parse_sampling_parameters, parse_vllm_request
 
@@ -42,43 +42,6 @@ def test_earliest_and_include():
     assert r.stopped and r.text == "zzabc" and r.stop_string == "abc"  # earliest start wins
 
 
-def arr(v, dtype):
-    return np.array([[v]], dtype=dtype)
-
-
-def test_token_request_parsing():
-    r = parse_token_request({"input_ids": np.array([[1, 2, 3]], dtype=np.int64),
-                             "max_tokens": arr(4, np.int32), "temperature": arr(0.0, np.float32),
-                             "end_id": arr(7, np.int32)})
-    assert r.prompt_ids == [1, 2, 3] and r.sampling.max_tokens == 4
-    assert r.sampling.stop_token_ids == [7] and r.sampling.ignore_eos
-    with pytest.raises(InputError, match="^input_ids"):
-        parse_token_request({"input_ids": np.zeros((1, 0), np.int64), "max_tokens": arr(4, np.int32)})
-    with pytest.raises(InputError, match="^input_ids: batch size"):
-        parse_token_request({"input_ids": np.zeros((2, 3), np.int64), "max_tokens": arr(4, np.int32)})
-    with pytest.raises(InputError, match="^max_tokens"):
-        parse_token_request({"input_ids": np.ones((1, 3), np.int64)})
-
-
-def test_text_request_parsing_errors_name_the_field():
-    ok = {"text_input": np.array([[b"hi"]], dtype=object), "max_tokens": arr(3, np.int32)}
-    r = parse_trtllm_text_request({**ok, "stop_words": np.array([[b"a", b""]], dtype=object),
-                                   "min_length": arr(2, np.int32)})
-    assert r.stop_strings == ["a"] and r.sampling.min_tokens == 2
-    cases = {
-        "text_input": {"max_tokens": arr(3, np.int32)},
-        "text_input: is not valid UTF-8": {**ok, "text_input": np.array([[b"\xff\xfe"]], dtype=object)},
-        "text_input: prompt must not be empty": {**ok, "text_input": np.array([[b""]], dtype=object)},
-        "beam_width": {**ok, "beam_width": arr(2, np.int32)},
-        "temperature": {**ok, "temperature": arr(float("nan"), np.float32)},
-        "max_tokens: expected exactly one": {**ok, "max_tokens": np.array([[1, 2]], np.int32)},
-    }
-    for prefix, arrays in cases.items():
-        with pytest.raises(InputError) as e:
-            parse_trtllm_text_request(arrays)
-        assert str(e.value).startswith(prefix), str(e.value)
-
-
 def test_vllm_sampling_parameters_coercion():
     samp, extra = parse_sampling_parameters(json.dumps(
         {"max_tokens": "5", "temperature": "0", "top_p": "0.5", "ignore_eos": "false",
@@ -102,5 +65,11 @@ def test_vllm_request_defaults():
     assert parse_vllm_request(t).exclude_input is False  # non-streaming: prompt prepended
     s = parse_vllm_request({**t, "stream": np.array([True])})
     assert s.stream and s.exclude_input
-    with pytest.raises(InputError, match="^exclude_input_in_output"):
+    with pytest.raises(InputError) as e:  # vllm_backend's words (its enabled_stream test checks them)
         parse_vllm_request({**t, "stream": np.array([True]), "exclude_input_in_output": np.array([False])})
+    assert str(e.value) == ("Error generating stream: When streaming, `exclude_input_in_output` = False "
+                            "is not allowed.") and e.value.field == "exclude_input_in_output"
+    for name in ("return_logprobs", "return_cumulative_logprob"):
+        with pytest.raises(InputError) as e:
+            parse_vllm_request({**t, name: np.array([True])})
+        assert str(e.value).startswith(f"Error generating stream: {name}: "), str(e.value)

@@ -57,8 +57,9 @@ HTTP_CASES = [
     ("llm", "prompt > max_model_len", {"input_ids": [5] * 2100, "max_tokens": 3}, "max_model_len"),
     ("llm", "token id out of vocab", {"input_ids": [10**6], "max_tokens": 3}, "input_ids"),
     ("ensemble", "beam_width 2", {"text_input": "Hi", "max_tokens": 3, "beam_width": 2}, "beam_width"),
-    ("ensemble", "multi-token stop word", {"text_input": "Hi", "max_tokens": 3,
-                                           "stop_words": ["a whole sentence here"]}, "stop_words"),
+    # stop words may be several tokens (TensorRT-LLM); bad words must be one token each
+    ("ensemble", "multi-token bad word", {"text_input": "Hi", "max_tokens": 3,
+                                          "bad_words": ["a whole sentence here"]}, "bad_words"),
 ]
 
 
@@ -91,7 +92,7 @@ def test_non_utf8_prompt(server):
 
 @pytest.mark.parametrize("route", ["ensemble", "llm_bls", "llm"])
 def test_wrong_dtype_and_shape(server, route):
-    base = {"text_input": "Hi"} if route != "llm" else {"input_ids": np.array([[1, 2]], dtype=np.int64)}
+    base = {"text_input": "Hi"} if route != "llm" else {"input_ids": np.array([[1, 2]], dtype=np.int32)}
     cases = [
         ({**base, "max_tokens": np.array([[3.0]], dtype=np.float32)}, "max_tokens"),       # dtype
         ({**base, "max_tokens": np.array([[3, 4]], dtype=np.int32)}, "max_tokens"),        # shape

@@ -22,7 +22,7 @@ def test_32_concurrent_streams_complete_in_order(server, tokenizer, reference_en
             for p, m in zip(prompts, max_toks)]
     sc = StreamClient(server.grpc_url)
     try:
-        got = [sc.send("llm", {"input_ids": np.array([p], dtype=np.int64), "max_tokens": m,
+        got = [sc.send("llm", {"input_ids": np.array([p], dtype=np.int32), "max_tokens": m,
                                "temperature": 0.0, "stream": True, "exclude_input_in_output": True},
                        f"c{i}") for i, (p, m) in enumerate(zip(prompts, max_toks))]
         for c in got:
@@ -40,7 +40,7 @@ def test_cancel_grpc_stream_frees_kv_blocks(server):
     assert wait_for(server.idle)
     aborted0 = server.metric("llm_requests_finished_total", reason="abort")
     sc = StreamClient(server.grpc_url)
-    c = sc.send("llm", {"input_ids": np.array([[1, 2, 3, 4, 5]], dtype=np.int64), "max_tokens": 1900,
+    c = sc.send("llm", {"input_ids": np.array([[1, 2, 3, 4, 5]], dtype=np.int32), "max_tokens": 1900,
                         "ignore_eos": True, "temperature": 0.0, "stream": True,
                         "exclude_input_in_output": True}, "long")
     assert wait_for(lambda: len(c.responses) >= 3, 60, 0.01), "no tokens streamed"
@@ -88,25 +88,22 @@ def long_ref(tokenizer, reference_engine):
     pytest.skip("no clean stop string in the reference text")
 
 
-@pytest.mark.parametrize("route", ["llm_bls", "vllm_model"])
+# vLLM's stop strings (text, excluded from the output). llm_bls follows TensorRT-LLM: stop
+# words are token sequences kept in the output (tests/server/test_trtllm.py).
+@pytest.mark.parametrize("route", ["vllm_model"])
 @pytest.mark.parametrize("stream", [True, False])
 def test_stop_string_never_reaches_client_and_cancels_upstream(server, long_ref, route, stream):
     text, stop = long_ref
     expected = text[: text.find(stop)]
     assert wait_for(server.idle)
     aborted0 = server.metric("llm_requests_finished_total", reason="abort")
-    if route == "vllm_model":
-        body = {"text_input": "Once upon a time", "stream": stream, "exclude_input_in_output": True,
-                "return_finish_reason": True,
-                "sampling_parameters": json.dumps({"max_tokens": 1900, "temperature": 0, "ignore_eos": "true",
-                                                   "stop_token_ids": [0], "stop": [stop]})}
-    else:
-        body = {"text_input": "Once upon a time", "max_tokens": 1900, "end_id": 0, "temperature": 0.0,
-                "stream": stream, "exclude_input_in_output": True, "stop_words": [stop]}
-    batched = route != "vllm_model"
+    body = {"text_input": "Once upon a time", "stream": stream, "exclude_input_in_output": True,
+            "return_finish_reason": True,
+            "sampling_parameters": json.dumps({"max_tokens": 1900, "temperature": 0, "ignore_eos": "true",
+                                               "stop_token_ids": [0], "stop": [stop]})}
     sc = StreamClient(server.grpc_url)
     try:
-        c = sc.send(route, body, "s", batched=batched)
+        c = sc.send(route, body, "s", batched=False)
         assert c.done.wait(60)
         time.sleep(0.05)
     finally:
@@ -114,8 +111,7 @@ def test_stop_string_never_reaches_client_and_cancels_upstream(server, long_ref,
     assert not c.errors and c.finals == 1
     got = "".join(c.texts())
     assert got == expected and stop not in got
-    if route == "vllm_model":
-        assert c.last("finish_reason")[0].decode() == "stop"
+    assert c.last("finish_reason")[0].decode() == "stop"
     # the upstream llm request was aborted long before its 1900 tokens
     assert wait_for(lambda: server.metric("llm_requests_finished_total", reason="abort") == aborted0 + 1, 10)
     assert wait_for(server.idle, 5)

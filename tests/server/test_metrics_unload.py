@@ -22,7 +22,7 @@ def test_metrics_are_exact(server):
     max_tokens = [2, 3, 4, 5, 6]                              # 20 in all
     sc = StreamClient(server.grpc_url)
     try:
-        got = [sc.send("llm", {"input_ids": np.array([p], dtype=np.int64), "max_tokens": m, "ignore_eos": True,
+        got = [sc.send("llm", {"input_ids": np.array([p], dtype=np.int32), "max_tokens": m, "ignore_eos": True,
                                "temperature": 0.0, "stream": True, "exclude_input_in_output": True}, f"m{i}")
                for i, (p, m) in enumerate(zip(prompts, max_tokens))]
         for c in got:
@@ -68,7 +68,7 @@ def test_unload_with_streams_in_flight(tmp_path):
     srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), wait_model="llm")
     try:
         sc = StreamClient(srv.grpc_url)
-        got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int64), "max_tokens": 1900,
+        got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int32), "max_tokens": 1900,
                                "ignore_eos": True, "temperature": 0.0, "stream": True,
                                "exclude_input_in_output": True}, f"u{i}") for i in range(4)]
         assert wait_for(lambda: all(len(c.responses) >= 2 for c in got), 60, 0.01)
@@ -116,7 +116,7 @@ def test_engine_death_fails_requests_fast(tmp_path):
                        wait_model="llm")
     try:
         sc = StreamClient(srv.grpc_url)
-        got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int64), "max_tokens": 1000,
+        got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int32), "max_tokens": 1000,
                                "ignore_eos": True, "temperature": 0.0, "stream": True,
                                "exclude_input_in_output": True}, f"d{i}") for i in range(2)]
         for c in got:

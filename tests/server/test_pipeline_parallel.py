@@ -35,7 +35,7 @@ def test_llm_pp2_matches_in_process_pp1(tmp_path):
     try:
         calls = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            body = {"input_ids": np.array([p], dtype=np.int64), "max_tokens": sp.max_tokens, "ignore_eos": True,
+            body = {"input_ids": np.array([p], dtype=np.int32), "max_tokens": sp.max_tokens, "ignore_eos": True,
                     "temperature": sp.temperature, "stream": True, "exclude_input_in_output": True}
             if sp.seed is not None:
                 body["seed"] = np.array([[sp.seed]], dtype=np.uint64)

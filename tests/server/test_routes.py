@@ -44,7 +44,7 @@ def body_for(route: str, prompt: str, stream: bool, **extra) -> dict:
 def test_llm_grpc_stream_token_identical(server, refs, prompt):
     ids, ref_tokens, ref_reason, _ = refs[prompt]
     c = grpc_stream_one(server.grpc_url, "llm", {
-        "input_ids": np.array([ids], dtype=np.int64), "max_tokens": MAX_TOKENS, "temperature": 0.0,
+        "input_ids": np.array([ids], dtype=np.int32), "max_tokens": MAX_TOKENS, "temperature": 0.0,
         "stream": True, "exclude_input_in_output": True, "return_num_output_tokens": True})
     assert not c.errors and c.finals == 1
     chunks = c.ids("output_ids")
@@ -58,7 +58,7 @@ def test_llm_grpc_stream_token_identical(server, refs, prompt):
 def test_llm_prompt_included_by_default(server, refs):
     ids, ref_tokens, _, _ = refs[PROMPTS[0]]
     c = grpc_stream_one(server.grpc_url, "llm", {
-        "input_ids": np.array([ids], dtype=np.int64), "max_tokens": MAX_TOKENS, "temperature": 0.0})
+        "input_ids": np.array([ids], dtype=np.int32), "max_tokens": MAX_TOKENS, "temperature": 0.0})
     assert not c.errors and c.finals == 1 and len(c.responses) == 1  # stream defaults to false
     assert c.ids()[0] == ids + ref_tokens
 

@@ -29,20 +29,39 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
 from triton_glue import config as glue_config  # noqa: E402
 from triton_glue.bls import CANCEL_PREFIX  # noqa: E402
 from triton_glue.detokenizer import PREFIX_WINDOW  # noqa: E402
-from triton_glue.inputs import InputError, parse_token_request  # noqa: E402
+from triton_glue.inputs import InputError, get_bool  # noqa: E402
+from triton_glue.trtllm import parse_token_requests  # noqa: E402
 from triton_glue.metrics import EngineMetrics  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-class _Inflight:
-    __slots__ = ("rid", "sender", "stream", "exclude_input", "prompt", "tail", "first_sent",
-                 "ret_in", "ret_out", "pending", "t_arrival", "t_first", "t_last", "n_out",
-                 "cancelled", "last_cancel_check", "key", "lock", "closed")
+class _Group:
+    """One Triton request: its response sender, shared by its batch rows (TensorRT-LLM clients
+    send [B, ...] inputs; each row is one engine request). FINAL goes with the last row's end."""
+    __slots__ = ("sender", "rows", "remaining", "key", "lock", "closed")
 
-    def __init__(self, rid, sender, req):
-        self.rid = rid
+    def __init__(self, sender, size):
         self.sender = sender
+        self.rows = []
+        self.remaining = size
+        self.key = None
+        # is_cancelled() on a sender whose FINAL was sent crashes tritonserver 2.51 (the
+        # response factory is gone): FINAL is sent, and polls happen, under this lock.
+        self.lock = threading.Lock()
+        self.closed = False
+
+
+class _Inflight:
+    __slots__ = ("rid", "group", "batch_index", "batch_size", "stream", "exclude_input", "prompt",
+                 "tail", "first_sent", "ret_in", "ret_out", "pending", "t_arrival", "t_first",
+                 "t_last", "n_out", "cancelled", "last_cancel_check")
+
+    def __init__(self, rid, group, req):
+        self.rid = rid
+        self.group = group
+        self.batch_index = req.batch_index
+        self.batch_size = req.batch_size
         self.stream = req.stream
         self.exclude_input = req.exclude_input
         self.prompt = req.prompt_ids
@@ -57,11 +76,6 @@ class _Inflight:
         self.n_out = 0
         self.cancelled = False
         self.last_cancel_check = 0.0
-        self.key = None
-        # is_cancelled() on a sender whose FINAL was sent crashes tritonserver 2.51 (the
-        # response factory is gone): FINAL is sent, and polls happen, under this lock.
-        self.lock = threading.Lock()
-        self.closed = False
 
 
 class TritonPythonModel:
@@ -96,7 +110,8 @@ class TritonPythonModel:
             self._inject_engine_fault(fault_after)
         self._ids = itertools.count()
         self._inflight = {}
-        self._by_key = {}  # "bls-..." Triton request id -> _Inflight (upstream cancel by BLS)
+        # Triton request id -> _Group: control cancels (BLS "bls-..." keys) and TensorRT-LLM stop requests
+        self._by_key = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # Triton calls finalize only after every in-flight request has sent FINAL, so an
@@ -131,30 +146,50 @@ class TritonPythonModel:
                 if self._unloading:
                     raise RuntimeError("model is unloading")
                 arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+                tid = request.request_id() or ""
                 if "cancel_request_id" in arrays:
                     self._control_cancel(arrays["cancel_request_id"])
                     sender.send(flags=FINAL)
                     continue
-                req = parse_token_request(arrays)
-                params = req.sampling.to_params()
-                rid = f"{self.instance}-{next(self._ids)}"
-                ctx = _Inflight(rid, sender, req)
-                tid = request.request_id() or ""
+                if "stop" in arrays and get_bool(arrays, "stop", False):
+                    # TensorRT-LLM's stop request: end the in-flight request with this request id
+                    self._cancel_key(tid)
+                    sender.send(flags=FINAL)
+                    continue
+                rows = parse_token_requests(arrays)
+                params = [r.sampling.to_params() for r in rows]
+                for r, p in zip(rows, params):  # every row before any reaches the engine
+                    self.engine.engine.validate(r.prompt_ids, p)
+                group = _Group(sender, len(rows))
+                ctxs = [_Inflight(f"{self.instance}-{next(self._ids)}", group, r) for r in rows]
+                group.rows = ctxs
                 with self._lock:
-                    self._inflight[rid] = ctx
-                    if tid.startswith(CANCEL_PREFIX):
-                        ctx.key = tid
-                        self._by_key[tid] = ctx
+                    for ctx in ctxs:
+                        self._inflight[ctx.rid] = ctx
+                    if tid and tid not in self._by_key:
+                        group.key = tid
+                        self._by_key[tid] = group
+                added = 0
                 try:
-                    self.engine.add_request(rid, req.prompt_ids, params, callback=self._on_output)
+                    for ctx, r, p in zip(ctxs, rows, params):
+                        self.engine.add_request(ctx.rid, r.prompt_ids, p, callback=self._on_output)
+                        added += 1
                 except BaseException:
                     with self._lock:
-                        self._inflight.pop(rid, None)
-                        if ctx.key:
-                            self._by_key.pop(ctx.key, None)
-                    with ctx.lock:
-                        ctx.closed = True  # the monitor must not poll it any more
-                    raise
+                        for ctx in ctxs[added:]:
+                            self._inflight.pop(ctx.rid, None)
+                    if added == 0:
+                        with self._lock:
+                            if group.key:
+                                self._by_key.pop(group.key, None)
+                        with group.lock:
+                            group.closed = True  # the monitor must not poll it any more
+                        raise
+                    # rows already in the engine end as aborted; the error goes with the last
+                    group.remaining = added
+                    for ctx in ctxs[:added]:
+                        self._cancel(ctx)
+                    self.logger.log_warn(f"[llm] batch row {added} rejected; aborting the {added} row(s) before it")
             except (InputError, ValueError, RuntimeError) as e:
                 self.metrics.request_rejected()
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
@@ -170,8 +205,9 @@ class TritonPythonModel:
             ctx = self._inflight.get(out.request_id)
             if ctx is not None and out.finished:
                 del self._inflight[out.request_id]
-                if ctx.key:
-                    self._by_key.pop(ctx.key, None)
+                g = ctx.group
+                if g.key and g.remaining <= 1 and self._by_key.get(g.key) is g:
+                    del self._by_key[g.key]
         if ctx is None:
             return
         now = time.monotonic()
@@ -189,7 +225,7 @@ class TritonPythonModel:
             return
         if out.finished and ctx.cancelled:
             self._send(ctx, pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                "request cancelled", pb_utils.TritonError.CANCELLED)), True)
+                "request cancelled", pb_utils.TritonError.CANCELLED)), True, only_if_last=True)
             return
         if not ctx.stream:
             ctx.pending.extend(new)
@@ -218,12 +254,17 @@ class TritonPythonModel:
             prefix = []
         ctx.first_sent = True
         ctx.tail = (ctx.tail + list(new))[-PREFIX_WINDOW:]
+        # TensorRT-LLM's layout: output_ids [1, beams, N], sequence_length [1, beams]
+        # (output_ids first: benchmark_core_model.py reads the first output's shape)
         tensors = [
-            pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int64).reshape(1, -1)),
-            pb_utils.Tensor("prefix_ids", np.asarray([prefix], dtype=np.int64).reshape(1, -1)),
+            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
+            pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
+            pb_utils.Tensor("prefix_ids", np.asarray(prefix, dtype=np.int32).reshape(1, -1)),
             pb_utils.Tensor("finish_reason", np.asarray(
                 [[str(out.finish_reason).encode() if out.finished else b""]], dtype=np.object_)),
         ]
+        if ctx.batch_size > 1:
+            tensors.append(pb_utils.Tensor("batch_index", np.asarray([[ctx.batch_index]], dtype=np.int32)))
         if ctx.ret_in:
             tensors.append(pb_utils.Tensor("num_input_tokens",
                                            np.asarray([[len(ctx.prompt)]], dtype=np.int32)))
@@ -232,20 +273,30 @@ class TritonPythonModel:
         self._send(ctx, pb_utils.InferenceResponse(output_tensors=tensors), out.finished)
 
     @staticmethod
-    def _send(ctx, response, final):
+    def _send(ctx, response, final, only_if_last=False):
+        """`final`: this row's last response; FINAL goes with the group's last row.
+        only_if_last: drop the response unless it is the group's last (one cancellation
+        error per request, not per row)."""
+        g = ctx.group
         if not final:
-            ctx.sender.send(response)
+            g.sender.send(response)
             return
-        with ctx.lock:
-            if ctx.closed:
+        with g.lock:
+            if g.closed:
                 return
-            ctx.closed = True
-            ctx.sender.send(response, flags=FINAL)
+            g.remaining -= 1
+            if g.remaining > 0:
+                if not only_if_last:
+                    g.sender.send(response)
+                return
+            g.closed = True
+            g.sender.send(response, flags=FINAL)
 
     @staticmethod
     def _is_cancelled(ctx):
-        with ctx.lock:
-            return not ctx.closed and ctx.sender.is_cancelled()
+        g = ctx.group
+        with g.lock:
+            return not g.closed and g.sender.is_cancelled()
 
     def _account(self, ctx, out):
         self.metrics.request_finished(str(out.finish_reason) if out.finish_reason is not None else "error",
@@ -256,15 +307,20 @@ class TritonPythonModel:
     def _control_cancel(self, arr):
         raw = np.asarray(arr).reshape(-1)[0]
         key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        self._cancel_key(key)
+
+    def _cancel_key(self, key):
         with self._lock:
-            ctx = self._by_key.get(key)
-        if ctx is not None:
-            self._cancel(ctx)
+            group = self._by_key.get(key)
+        if group is not None:
+            self._cancel(group.rows[0])
 
     def _cancel(self, ctx):
-        if not ctx.cancelled:
-            ctx.cancelled = True
-            self.engine.abort(ctx.rid)
+        """Cancel the whole Triton request: every batch row of ctx's group."""
+        for row in ctx.group.rows:
+            if not row.cancelled:
+                row.cancelled = True
+                self.engine.abort(row.rid)
 
     # ---- monitor: cancellation polling + stats ------------------------------------------
     def _monitor_main(self):

@@ -1,7 +1,8 @@
-"""`llm_bls`: the ensemble's route (TensorRT-LLM interface) written as BLS: `preprocessing`,
-then `llm` streaming, detokenized incrementally here, with stop strings matched on text (the
-stop string never reaches the client) and the upstream request cancelled when one hits.
-See triton_glue/bls.py."""
+"""`llm_bls`: TensorRT-LLM's `tensorrt_llm_bls` interface (the ensemble's inputs) written as
+BLS: `preprocessing` (stop words -> token sequences), then `llm` streaming, detokenized
+incrementally here. As in TensorRT-LLM: [B, 1] inputs give B generations (batch_index on each
+response), stop words stay in the output, streaming never carries the prompt, top_k = 0 and
+top_p = 0 is greedy. See triton_glue/bls.py and triton_glue/trtllm.py."""
 import sys
 from pathlib import Path
 
@@ -12,12 +13,17 @@ _ROOT = Path(__file__).resolve().parents[3]
 if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from triton_glue.batch import BatchSender  # noqa: E402
 from triton_glue.bls import BlsRoute  # noqa: E402
-from triton_glue.inputs import parse_trtllm_text_request  # noqa: E402
+from triton_glue.inputs import InputError  # noqa: E402
+from triton_glue.trtllm import parse_text_requests  # noqa: E402
 
 
 def _response(req, chunk):
-    tensors = [pb_utils.Tensor("text_output", np.array([[chunk.text.encode("utf-8")]], dtype=np.object_))]
+    # text_output: one string per sequence, 1-D (TensorRT-LLM's postprocessing layout)
+    tensors = [pb_utils.Tensor("text_output", np.array([chunk.text.encode("utf-8")], dtype=np.object_))]
+    if req.batch_size > 1:
+        tensors.append(pb_utils.Tensor("batch_index", np.array([[req.batch_index]], dtype=np.int32)))
     if req.return_num_input_tokens:
         tensors.append(pb_utils.Tensor("num_input_tokens", np.array([[chunk.num_input_tokens]], dtype=np.int32)))
     if req.return_num_output_tokens:
@@ -30,7 +36,20 @@ class TritonPythonModel:
         self.route = BlsRoute.from_model_args(pb_utils, args, preprocessing=True, make_response=_response)
 
     def execute(self, requests):
-        return self.route.execute(requests, lambda arrays, request: parse_trtllm_text_request(arrays))
+        for request in requests:
+            try:
+                rows = parse_text_requests({t.name(): t.as_numpy() for t in request.inputs()})
+            except InputError as e:
+                request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
+                                                   flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            if len(rows) == 1:
+                self.route.submit(request, rows[0])
+                continue
+            batch = BatchSender(pb_utils, request.get_response_sender(), len(rows))
+            for row in rows:
+                self.route.submit(request, row, sender=batch.row())
+        return None
 
     def finalize(self):
         self.route.close()

@@ -1,0 +1,96 @@
+"""TensorRT-LLM's non-decoupled deployment (`decoupled_mode: false`) of a decoupled model of
+ours: `tensorrt_llm` over `llm`, `tensorrt_llm_bls` over `llm_bls`. Triton's HTTP /infer and
+gRPC ModelInfer refuse decoupled models (and ensembles containing one), yet TensorRT-LLM's
+clients call these names that way (end_to_end_test.py, benchmark_core_model.py without
+--decoupled); over a gRPC stream they work too (one response per request).
+
+Each request is forwarded unchanged through BLS (exec(decoupled=True)) on a worker thread, its
+responses collected and sent back as ONE response through the request's response sender, so
+execute returns at once and requests run concurrently. A batched request ([B, ...] inputs:
+one upstream response per row, with batch_index) is merged along the batch dimension in
+batch_index order, padded with -1 (ids) or "" (text). As in TensorRT-LLM, streaming=true is an
+error here ("Streaming is only supported in decoupled mode."). pb_utils is passed in.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .inputs import get_bool
+
+log = logging.getLogger("triton_glue.sync_proxy")
+STREAMING_ERROR = "Streaming is only supported in decoupled mode."
+
+
+def merge_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One output per name from per-row outputs ([1, ...] each), stacked on axis 0 in
+    batch_index order; ragged trailing dims padded (-1 for numbers, b"" for strings)."""
+    if len(rows) == 1:
+        return rows[0]
+    rows = sorted(rows, key=lambda r: int(np.asarray(r.get("batch_index", [[0]])).reshape(-1)[0]))
+    out = {}
+    for name in rows[0]:
+        arrs = [np.asarray(r[name]) for r in rows if name in r]
+        shape = tuple(max(a.shape[d] for a in arrs) for d in range(1, arrs[0].ndim))
+        fill = b"" if arrs[0].dtype == np.object_ else -1
+        padded = []
+        for a in arrs:
+            p = np.full((a.shape[0],) + shape, fill, dtype=a.dtype)
+            p[(slice(None),) + tuple(slice(0, s) for s in a.shape[1:])] = a
+            padded.append(p)
+        out[name] = np.concatenate(padded, axis=0)
+    return out
+
+
+class SyncProxy:
+    def __init__(self, pb_utils: Any, target: str, max_workers: int = 256):
+        self.pb = pb_utils
+        self.target = target
+        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"sync-{target}")
+
+    def execute(self, requests: Any) -> None:
+        pb = self.pb
+        for request in requests:
+            sender = request.get_response_sender()
+            arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+            try:
+                streaming = any(get_bool(arrays, n, False) for n in ("streaming", "stream") if n in arrays)
+            except ValueError as e:
+                streaming, err = None, str(e)
+            if streaming is None or streaming:
+                sender.send(pb.InferenceResponse(error=pb.TritonError(err if streaming is None else STREAMING_ERROR)),
+                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            upstream = pb.InferenceRequest(model_name=self.target, inputs=list(request.inputs()),
+                                           request_id=request.request_id() or "",
+                                           requested_output_names=list(request.requested_output_names()))
+            self.pool.submit(self._run_safe, sender, upstream)
+        return None
+
+    def _run_safe(self, sender: Any, upstream: Any) -> None:
+        pb = self.pb
+        try:
+            rows, error = [], None
+            for resp in upstream.exec(decoupled=True):
+                if resp.has_error():
+                    error = error or resp.error().message()
+                    continue
+                tensors = resp.output_tensors()
+                if tensors:
+                    rows.append({t.name(): t.as_numpy() for t in tensors})
+            if error is not None:
+                response = pb.InferenceResponse(error=pb.TritonError(error))
+            elif not rows:
+                response = pb.InferenceResponse(error=pb.TritonError(f"{self.target} returned no output"))
+            else:
+                response = pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in merge_rows(rows).items()])
+        except Exception as e:  # noqa: BLE001 - the request must get its one response
+            log.exception("sync proxy request failed")
+            response = pb.InferenceResponse(error=pb.TritonError(f"internal error: {e!r}"))
+        sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
