@@ -114,9 +114,9 @@ def _grpc_inputs(model: str, body: dict):
     batched = not model.startswith("vllm")  # TensorRT-LLM-style models have max_batch_size > 0
 
     def tensor(name, value):
-        if name == "input_ids":
-            arr = np.array([value], dtype=np.int64)
-            t = grpcclient.InferInput(name, list(arr.shape), "INT64")
+        if name == "input_ids":  # TensorRT-LLM's INT32 token ids
+            arr = np.array([value], dtype=np.int32)
+            t = grpcclient.InferInput(name, list(arr.shape), "INT32")
             t.set_data_from_numpy(arr)
             return t
         if isinstance(value, str):
