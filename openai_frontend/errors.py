@@ -51,7 +51,8 @@ _FIELD_WORD = re.compile(r"^(?:\[[^\]]*\]\s*)?([a-z_][a-z_]*) (?:must|has|may) "
 def from_upstream(message: str, prompt_param: str = "prompt") -> OpenAIError:
     """An error the server returned for a request: 400 naming the OpenAI field when it is a
     client error in a known field, else 500 with the server's text."""
-    msg = message.strip()
+    # vllm_model words its request errors as vllm_backend does: "Error generating stream: <field>: ..."
+    msg = message.strip().removeprefix("Error generating stream: ")
     m = _FIELD_COLON.match(msg)
     field = m.group(1) if m else None
     if field is None:

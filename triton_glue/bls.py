@@ -44,11 +44,33 @@ class Chunk:
     final: bool
 
 
+class RequestHooks:
+    """Per-request events of a route (metrics, logs); these defaults do nothing."""
+
+    def tokens(self, n: int) -> None:
+        """n new tokens arrived from upstream."""
+
+    def cancelling(self) -> None:
+        """The client cancelled; the upstream cancel is about to be sent."""
+
+    def cancelled(self) -> None:
+        """The upstream cancel was sent."""
+
+    def finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
+        """The request ended ("stop", "length", "abort")."""
+
+
+class RouteHooks:
+    def request(self, req: TextRequest) -> RequestHooks:
+        return RequestHooks()
+
+
 class BlsRoute:
     def __init__(self, pb_utils: Any, tokenizer: Any, *, llm_model: str = "llm",
                  preprocessing_model: Optional[str] = None, max_workers: int = 256,
-                 make_response: Callable[[TextRequest, Chunk], Any]):
+                 make_response: Callable[[TextRequest, Chunk], Any], hooks: Optional[RouteHooks] = None):
         self.pb = pb_utils
+        self.hooks = hooks or RouteHooks()
         self.tok = tokenizer
         self.llm_model = llm_model
         self.pre_model = preprocessing_model
@@ -58,7 +80,8 @@ class BlsRoute:
 
     @classmethod
     def from_model_args(cls, pb_utils: Any, args: Any, *, preprocessing: bool,
-                        make_response: Callable[[TextRequest, Chunk], Any]) -> "BlsRoute":
+                        make_response: Callable[[TextRequest, Chunk], Any],
+                        hooks: Optional[RouteHooks] = None) -> "BlsRoute":
         """The route of a BLS model, from the `args` of its initialize(): the tokenizer and the
         parameters `llm_model`, `max_concurrent_requests` and (preprocessing=True) the
         `preprocessing_model` to tokenize through; preprocessing=False tokenizes in-process."""
@@ -67,7 +90,7 @@ class BlsRoute:
                    preprocessing_model=(params.get("preprocessing_model", "preprocessing") or None)
                    if preprocessing else None,
                    max_workers=int(params.get("max_concurrent_requests", "256")),
-                   make_response=make_response)
+                   make_response=make_response, hooks=hooks)
 
     # ---- called from execute ------------------------------------------------------------
     def execute(self, requests: Any, parse: Callable[[dict, Any], TextRequest]) -> None:
@@ -181,7 +204,9 @@ class BlsRoute:
     def _run(self, sender: Any, req: TextRequest) -> None:
         pb = self.pb
         FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        hooks = self.hooks.request(req)
         ids, bad, stop_seqs = self._tokenize(req)
+        n_gen = 0
         key = f"{CANCEL_PREFIX}{uuid.uuid4().hex}"
         it = self._llm_request(req, ids, bad, stop_seqs, key).exec(decoupled=True)
         detok = IncrementalDetokenizer(self.tok, ids, req.skip_special_tokens)
@@ -207,6 +232,9 @@ class BlsRoute:
             fr = fr.as_numpy().reshape(-1)[0] if fr is not None else b""
             fr = fr.decode() if isinstance(fr, bytes) else str(fr)
             up_final = fr != ""
+            if new:
+                n_gen += len(new)
+                hooks.tokens(len(new))
             piece = detok.add(new, final=up_final)
             res = stops.feed(piece)
             text = res.text
@@ -218,7 +246,9 @@ class BlsRoute:
                 text += stops.flush()
             if sender.is_cancelled():
                 cancelled = True
+                hooks.cancelling()
                 self._cancel_upstream(it, key)
+                hooks.cancelled()
                 continue
             final = stopped or up_final
             if req.stream:
@@ -234,10 +264,12 @@ class BlsRoute:
                     chunk = Chunk(prefix_text + "".join(acc_text), n_acc, finish, len(ids), True)
                     sender.send(self.make_response(req, chunk), flags=FINAL)
             if final:
+                hooks.finished(finish, len(ids), n_gen)
                 # drain whatever the upstream still sends (its own FINAL)
                 for _ in it:
                     pass
                 return
+        hooks.finished("abort" if cancelled else (finish or "abort"), len(ids), n_gen)
         if cancelled:
             sender.send(pb.InferenceResponse(error=pb.TritonError("request cancelled",
                                                                   pb.TritonError.CANCELLED)), flags=FINAL)

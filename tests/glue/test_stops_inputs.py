@@ -73,3 +73,35 @@ def test_vllm_request_defaults():
         with pytest.raises(InputError) as e:
             parse_vllm_request({**t, name: np.array([True])})
         assert str(e.value).startswith(f"Error generating stream: {name}: "), str(e.value)
+
+
+class _FakeMetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    created = []
+
+    def __init__(self, name, description, kind):
+        _FakeMetricFamily.created.append(name)
+
+    def Metric(self, labels, buckets=None):
+        return type("M", (), {"observe": lambda s, v: None, "increment": lambda s, v: None,
+                              "set": lambda s, v: None})()
+
+
+class _FakePb:
+    MetricFamily = _FakeMetricFamily
+    Logger = type("L", (), {"log_info": staticmethod(lambda m: None)})
+
+
+def test_vllm_metrics_honour_report_custom_metrics():
+    from triton_glue.vllm_metrics import VllmRouteHooks, buckets_1_2_5, report_custom_metrics
+    assert not report_custom_metrics({}) and not report_custom_metrics({"REPORT_CUSTOM_METRICS": "false"})
+    assert report_custom_metrics({"REPORT_CUSTOM_METRICS": "True"})
+    _FakeMetricFamily.created.clear()
+    VllmRouteHooks(_FakePb, {"model": "m", "version": "1"}, metrics=False).request(None).finished("stop", 3, 4)
+    assert _FakeMetricFamily.created == []
+    VllmRouteHooks(_FakePb, {"model": "m", "version": "1"}, metrics=True)
+    assert {"vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
+            "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
+            "vllm:request_generation_tokens", "vllm:request_params_n", "vllm:request_success_total",
+            "vllm:num_requests_running", "vllm:num_requests_waiting"} == set(_FakeMetricFamily.created)
+    assert buckets_1_2_5(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]

@@ -3,6 +3,7 @@ string values coerced as vllm_backend does, exclude_input_in_output, return_fini
 return_num_input_tokens, return_num_output_tokens) over the shared `llm` engine through BLS,
 so vllm_backend clients and `genai-perf --backend vllm` work unchanged. See triton_glue/bls.py
 and triton_glue/vllm_compat.py."""
+import json
 import sys
 from pathlib import Path
 
@@ -14,7 +15,9 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from triton_glue.bls import BlsRoute  # noqa: E402
+from triton_glue.config import parameters_of  # noqa: E402
 from triton_glue.vllm_compat import parse_vllm_request  # noqa: E402
+from triton_glue.vllm_metrics import VllmRouteHooks, report_custom_metrics  # noqa: E402
 
 
 def _response(req, chunk):
@@ -37,11 +40,17 @@ def _parse(arrays, request):
 
 class TritonPythonModel:
     def initialize(self, args):
+        params = parameters_of(json.loads(args["model_config"]))
+        # vllm_backend's vllm:* metrics (REPORT_CUSTOM_METRICS) and cancellation log lines
+        self.hooks = VllmRouteHooks(pb_utils, {"model": args["model_name"], "version": args["model_version"]},
+                                    metrics=report_custom_metrics(params))
         # tokenize in-process
-        self.route = BlsRoute.from_model_args(pb_utils, args, preprocessing=False, make_response=_response)
+        self.route = BlsRoute.from_model_args(pb_utils, args, preprocessing=False, make_response=_response,
+                                              hooks=self.hooks)
 
     def execute(self, requests):
         return self.route.execute(requests, _parse)
 
     def finalize(self):
         self.route.close()
+        self.hooks.close()
