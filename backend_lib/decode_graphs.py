@@ -87,7 +87,9 @@ class _Graph:
     out: torch.Tensor     # static output [B] sampled ids
 
 
-# program(meta, all_greedy, use_masks) -> sampled ids [B]
+# program(meta, all_greedy, use_masks) -> sampled ids [B]. Contract: the program ends by
+# advancing meta.pos of its real rows by one, so that the metadata then describes the same
+# rows' next decode step (what the reuse in DecodeGraphs.launch relies on).
 DecodeProgram = Callable[[DecodeMeta, bool, bool], torch.Tensor]
 
 
@@ -129,8 +131,7 @@ class DecodeGraphs:
         all_relay = all(r.first_from_relay for r in rows)
         keep: tuple = ()
         if key == self._reusable and all_relay:
-            # Only positions changed since this graph's metadata was uploaded: nothing to upload.
-            g.meta.pos += (g.meta.slot >= 0).long()
+            # Only positions changed since the last replay, and the program advanced them.
             self.steps_reused += 1
         else:
             staged = upload(DecodeMeta.host_rows(rows, bucket - len(rows)))

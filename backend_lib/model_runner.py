@@ -202,7 +202,12 @@ class ModelRunner:
             attn.seq_lens_host = seq_lens.tolist()
             attn.q_lens_host = [1] * len(attn.seq_lens_host)
         hidden = self.model(ids, pos, self.kv_caches, attn)
-        return self._sample_and_relay(hidden, slot_c, valid & (meta.samples > 0), pos + 1, greedy, masks)
+        tokens = self._sample_and_relay(hidden, slot_c, valid & (meta.samples > 0), pos + 1, greedy, masks)
+        # Last, after every read of the positions: leave the metadata describing the same
+        # rows' next decode step, so that a graph replayed for unchanged rows needs no upload
+        # and no kernel outside the graph (decode_graphs.DecodeGraphs.launch).
+        meta.pos.add_(valid)
+        return tokens
 
     def _sample_and_relay(self, hidden, slot_c, samples, next_pos, greedy, masks) -> torch.Tensor:
         tokens = self.sample_rows(hidden, slot_c, next_pos, greedy, masks)

@@ -8,11 +8,14 @@ eager reference run, also when preemption makes a recomputed request finish its 
 with a 1-token chunk inside a decode-only step (a host-known id in a graph step).
 """
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from backend_lib import SamplingParams
-from backend_lib.decode_graphs import graph_variant
+from backend_lib.decode_graphs import DecodeGraphs, graph_variant
+from backend_lib.scheduler import ScheduledRow
 from engine_helpers import Spec, expected_from_reference, hf_greedy, make_engine, random_prompt, run_specs
 from test_blocks import check_block_invariants
 
@@ -52,6 +55,59 @@ class _LaunchLog:
         for (slots, relay, _), (slots2, relay2, _) in zip(self.entries, self.entries[1:]):
             n += (not all(relay)) and slots == slots2 and all(relay2)
         return n
+
+
+# ---- the reuse decision itself, with a recording program ------------------------------------------
+
+def _row(slot, pos, host_id=None):
+    """A decode row of the request in `slot` at `pos`; host_id None: its id is in the relay."""
+    return ScheduledRow(SimpleNamespace(slot=slot), pos, 1, True, [0 if host_id is None else host_id],
+                        host_id is None)
+
+
+def test_reuse_only_after_an_all_relay_upload():
+    seen = []
+
+    def program(meta, greedy, masks):  # records what the graph reads; keeps the contract
+        seen.append(meta.packed.clone())
+        meta.pos.add_(meta.slot >= 0)
+        return torch.zeros(meta.slot.shape[0], dtype=torch.int64)
+
+    graphs = DecodeGraphs(program, torch.device("cpu"), (1, 2, 4), stand_in=True)
+    uploads = []
+
+    def upload(rows):
+        uploads.append(rows)
+        return torch.tensor(rows)
+
+    def step(rows, greedy=True, masks=False):
+        n = len(uploads)
+        with torch.inference_mode():  # as ModelRunner.execute runs it
+            graphs.launch(rows, greedy, masks, upload)
+        return len(uploads) > n, seen[-1]
+
+    # Row a's final prefill chunk is a host-known id: uploaded, relay source -1.
+    up, m = step([_row(3, 10, host_id=77), _row(5, 20)])
+    assert up and m[1].tolist() == [-1, 5] and m[0, 0] == 77 and m[2].tolist() == [10, 20]
+    # Same rows, all from the relay now: the saved metadata still says "host id 77" -> upload.
+    up, m = step([_row(3, 11), _row(5, 21)])
+    assert up and m[1].tolist() == [3, 5] and m[2].tolist() == [11, 21]
+    # Again all relay, after an all-relay upload: reused, positions advanced by the program.
+    up, m = step([_row(3, 12), _row(5, 22)])
+    assert not up and m[1].tolist() == [3, 5] and m[2].tolist() == [12, 22] and graphs.steps_reused == 1
+    # Padding rows (bucket 4 for 3 rows) keep slot -1 and position 0.
+    up, m = step([_row(3, 13), _row(5, 23), _row(6, 4)])
+    assert up and m[3].tolist() == [3, 5, 6, -1] and m[2].tolist() == [13, 23, 4, 0]
+    up, m = step([_row(3, 14), _row(5, 24), _row(6, 5)])
+    assert not up and m[2].tolist() == [14, 24, 5, 0]
+    # Anything else that changed: the sampling variant, the slots or their order, a step
+    # outside the graphs.
+    assert step([_row(3, 15), _row(5, 25), _row(6, 6)], greedy=False)[0]
+    assert step([_row(5, 26), _row(3, 16), _row(6, 7)], greedy=False)[0]
+    assert not step([_row(5, 27), _row(3, 17), _row(6, 8)], greedy=False)[0]
+    graphs.invalidate()
+    assert step([_row(5, 28), _row(3, 18), _row(6, 9)], greedy=False)[0]
+    assert graphs.steps_reused == 3 and graphs.steps_uploaded == 6
 
 
 # ---- the deterministic reproduction ------------------------------------------------------------
