@@ -24,7 +24,9 @@ from .choices import Choice, ChoiceResult, Usage, merged
 from .config import FrontendConfig
 from .errors import OpenAIError, model_not_found
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
-from .sampling import check_supported, finish_reason, sampling_parameters, wants_usage_in_stream
+from .logprobs import chat_logprobs, completion_logprobs
+from .sampling import (check_supported, finish_reason, logprobs_count, sampling_parameters,
+                       wants_usage_in_stream)
 from .triton_stream import Piece, TritonRoute
 
 log = logging.getLogger("openai_frontend")
@@ -131,11 +133,16 @@ class Frontend:
                 obj["usage"] = usage
             return obj
 
+        k = logprobs_count(req)
+
+        def lp(tokens, offset: int = 0):
+            return None if k is None else completion_logprobs(tokens or [], k, offset)
+
         if not req.stream:
             results, usage = await self._collect(http, choices, "prompt")
             return envelope([{"index": c.index,
                               "text": (c.prompt if req.echo else "") + "".join(r.text),
-                              "logprobs": None, "finish_reason": finish_reason(r.finish_reason)}
+                              "logprobs": lp(r.logprobs), "finish_reason": finish_reason(r.finish_reason)}
                              for c, r in zip(choices, results)], usage.as_dict())
 
         include_usage = wants_usage_in_stream(req)
@@ -143,6 +150,7 @@ class Frontend:
         async def chunks(first, it) -> AsyncIterator[str]:
             usage = Usage()
             echoed: set[int] = set()
+            sent_chars: dict[int, int] = {}   # text offset of each choice's next token
 
             def lines(choice: Choice, piece: Piece):
                 usage.add(choice, piece)
@@ -150,10 +158,13 @@ class Frontend:
                 if req.echo and choice.index not in echoed:
                     echoed.add(choice.index)
                     text = choice.prompt + text
-                if text or piece.finish_reason is not None:
+                if text or piece.finish_reason is not None or piece.logprobs:
                     fr = None if piece.finish_reason is None else finish_reason(piece.finish_reason)
-                    yield _sse(envelope([{"index": choice.index, "text": text, "logprobs": None,
-                                          "finish_reason": fr}], None, include_usage))
+                    offset = sent_chars.get(choice.index, 0)
+                    sent_chars[choice.index] = offset + sum(len(t.sampled.text) for t in piece.logprobs or [])
+                    yield _sse(envelope([{"index": choice.index, "text": text,
+                                          "logprobs": lp(piece.logprobs, offset), "finish_reason": fr}],
+                                        None, include_usage))
 
             for line in lines(*first):
                 yield line
@@ -181,12 +192,17 @@ class Frontend:
                 obj["usage"] = usage
             return obj
 
+        k = logprobs_count(req)
+
+        def lp(tokens):
+            return None if k is None else chat_logprobs(tokens or [], k)
+
         if not req.stream:
             results, usage = await self._collect(http, choices, "messages")
             return envelope("chat.completion", [
                 {"index": c.index,
                  "message": {"role": "assistant", "content": "".join(r.text), "refusal": None},
-                 "logprobs": None, "finish_reason": finish_reason(r.finish_reason)}
+                 "logprobs": lp(r.logprobs), "finish_reason": finish_reason(r.finish_reason)}
                 for c, r in zip(choices, results)], usage.as_dict())
 
         include_usage = wants_usage_in_stream(req)
@@ -194,9 +210,9 @@ class Frontend:
         async def chunks(first, it) -> AsyncIterator[str]:
             usage = Usage()
 
-            def chunk(index: int, delta: dict, fr: Optional[str] = None) -> str:
+            def chunk(index: int, delta: dict, fr: Optional[str] = None, logprobs=None) -> str:
                 return _sse(envelope("chat.completion.chunk",
-                                     [{"index": index, "delta": delta, "logprobs": None,
+                                     [{"index": index, "delta": delta, "logprobs": logprobs,
                                        "finish_reason": fr}], None, include_usage))
 
             # OpenAI opens every choice with the role and empty content
@@ -205,8 +221,8 @@ class Frontend:
 
             def lines(choice: Choice, piece: Piece):
                 usage.add(choice, piece)
-                if piece.text:
-                    yield chunk(choice.index, {"content": piece.text})
+                if piece.text or piece.logprobs:
+                    yield chunk(choice.index, {"content": piece.text}, logprobs=lp(piece.logprobs))
                 if piece.finish_reason is not None:
                     yield chunk(choice.index, {}, finish_reason(piece.finish_reason))
 

@@ -11,6 +11,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
+from .logprobs import TokenLogprob
 from .triton_stream import Piece, TritonRoute
 
 
@@ -29,9 +30,11 @@ class ChoiceResult:
     num_output_tokens: int = 0
     num_input_tokens: int = 0
     finish_reason: Optional[str] = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, piece: Piece) -> None:
         self.text.append(piece.text)
+        self.logprobs += piece.logprobs or []
         self.num_output_tokens += piece.num_output_tokens
         self.num_input_tokens = piece.num_input_tokens or self.num_input_tokens
         if piece.finish_reason is not None:

@@ -41,7 +41,7 @@ _UPSTREAM_FIELDS = {
     "text_input": "prompt", "input_ids": "prompt", "prompt": "prompt",
     "max_tokens": "max_tokens", "min_tokens": "min_tokens", "temperature": "temperature",
     "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop_token_ids": "stop_token_ids",
-    "bad_token_ids": "bad_words",
+    "bad_token_ids": "bad_words", "return_logprobs": "logprobs", "logprobs": "logprobs",
 }
 # "field: message" (triton_glue.inputs.InputError) or "field must ..." (the engine's checks).
 _FIELD_COLON = re.compile(r"^(?:\[[^\]]*\]\s*)?([A-Za-z_][\w.]*): (.+)$", re.S)

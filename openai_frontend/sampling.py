@@ -2,8 +2,8 @@
 
 The route checks every value against the engine (an unsupported penalty comes back as
 `sampling_parameters.<key>: ...`, which errors.from_upstream turns into a 400 naming the
-OpenAI field), so the penalties are forwarded as given and start working as soon as the
-engine has them. Features the route has no output for are refused here, naming the field.
+OpenAI field), so the penalties and log probabilities are forwarded as given and start
+working as soon as the route has them. Features the route has no output for are refused here, naming the field.
 
 `n` > 1 runs n requests on the route, like vLLM's own frontend does (vllm.v1 ParentRequest):
 with a seed, choice i uses seed + i, so each choice is reproducible and they differ.
@@ -39,19 +39,17 @@ def check_supported(req: Request) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias", "is not supported by this server (only {} or null)")
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None:
-            raise bad_request("logprobs", "is not supported yet: the vllm_model route returns no "
-                                          "log probabilities")
+        if req.logprobs is not None and req.echo:
+            raise bad_request("echo", "with logprobs needs prompt log probabilities, which this "
+                                      "server does not return")
         if req.suffix:
             raise bad_request("suffix", "is not supported (no fill-in-the-middle)")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of", f"only best_of == n is supported (got best_of={req.best_of}, "
                                          f"n={req.n})")
     else:
-        if req.logprobs or req.top_logprobs:
-            field = "logprobs" if req.logprobs else "top_logprobs"
-            raise bad_request(field, "is not supported yet: the vllm_model route returns no log "
-                                     "probabilities")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs", "needs logprobs: true")
         if req.tools:
             raise bad_request("tools", "tool calling is not supported by this server")
         if req.tool_choice not in (None, "none", "auto"):
@@ -80,6 +78,9 @@ def sampling_parameters(req: Request, default_max_tokens: int, choice: int = 0) 
         v = getattr(req, key)
         if v is not None:
             sp[key] = v
+    k = logprobs_count(req)
+    if k is not None:
+        sp["logprobs"] = k
     if req.seed is not None:
         sp["seed"] = _child_seed(req.seed, choice)
     stops = stop_strings(req)
@@ -92,6 +93,14 @@ def sampling_parameters(req: Request, default_max_tokens: int, choice: int = 0) 
     if not req.skip_special_tokens:
         sp["skip_special_tokens"] = False
     return sp
+
+
+def logprobs_count(req: Request) -> Optional[int]:
+    """How many alternatives per token the request wants (0: the sampled token's only), or
+    None for no log probabilities (vLLM's SamplingParams.logprobs)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def _child_seed(seed: int, choice: int) -> int:

@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
 
 from .errors import OpenAIError, from_upstream
+from .logprobs import TokenLogprob, parse_route_logprobs
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Piece:
     num_output_tokens: int         # tokens behind this piece
     num_input_tokens: int          # the prompt's length, as the server tokenized it
     finish_reason: Optional[str]   # set on the last piece: "stop" | "length" | "abort"
+    logprobs: Optional[list[TokenLogprob]] = None   # one per token, when requested
 
 
 def _input(name: str, arr: np.ndarray, dtype: str) -> grpcclient.InferInput:
@@ -34,18 +36,20 @@ def _input(name: str, arr: np.ndarray, dtype: str) -> grpcclient.InferInput:
     return t
 
 
-def route_inputs(prompt: str, sampling: dict) -> list:
+def route_inputs(prompt: str, sampling: dict, logprobs: bool = False) -> list:
     """vllm_model's inputs: streaming always (the frontend aggregates non-streamed replies),
-    the prompt never echoed, finish reason and token counts returned."""
+    the prompt never echoed, finish reason and token counts returned (and log probabilities
+    when `logprobs`: sampling["logprobs"] says how many alternatives)."""
     def flag(name: str) -> grpcclient.InferInput:
         return _input(name, np.array([True]), "BOOL")
 
-    return [
+    inputs = [
         _input("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
         _input("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
         flag("stream"), flag("exclude_input_in_output"), flag("return_finish_reason"),
         flag("return_num_input_tokens"), flag("return_num_output_tokens"),
     ]
+    return inputs + [flag("return_logprobs")] if logprobs else inputs
 
 
 OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
@@ -78,8 +82,10 @@ class TritonRoute:
     async def generate(self, prompt: str, sampling: dict, prompt_param: str = "prompt") -> AsyncIterator[Piece]:
         """Yields the route's pieces until the last one (finish_reason set). Raises OpenAIError
         for an error response. Closing the iterator early cancels the request."""
-        request = {"model_name": self.model, "inputs": route_inputs(prompt, sampling),
-                   "outputs": [grpcclient.InferRequestedOutput(o) for o in OUTPUTS],
+        logprobs = sampling.get("logprobs") is not None
+        outputs = OUTPUTS + (("logprobs",) if logprobs else ())
+        request = {"model_name": self.model, "inputs": route_inputs(prompt, sampling, logprobs),
+                   "outputs": [grpcclient.InferRequestedOutput(o) for o in outputs],
                    "request_id": f"openai-{uuid.uuid4().hex}"}
 
         async def one_request():
@@ -124,4 +130,6 @@ def _piece(result) -> Piece:
         fr = None
     n_out = _scalar(result, "num_output_tokens")
     n_in = _scalar(result, "num_input_tokens")
-    return Piece(text, int(n_out or 0), int(n_in or 0), fr)
+    lp = _scalar(result, "logprobs")
+    return Piece(text, int(n_out or 0), int(n_in or 0), fr,
+                 parse_route_logprobs(lp) if lp is not None else None)

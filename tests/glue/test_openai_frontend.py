@@ -1,0 +1,146 @@
+"""The OpenAI frontend's own logic without tritonserver: a scripted stand-in for the route,
+the real app served by uvicorn, driven by the `openai` package (log probabilities in both
+OpenAI formats from vllm_backend's `logprobs` JSON, the sampling parameters forwarded, the
+route's errors as 400s naming the field)."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from openai_frontend.app import create_app  # noqa: E402
+from openai_frontend.config import FrontendConfig  # noqa: E402
+from openai_frontend.errors import from_upstream  # noqa: E402
+from openai_frontend.logprobs import parse_route_logprobs  # noqa: E402
+from openai_frontend.triton_stream import Piece  # noqa: E402
+
+# vllm_backend's logprobs JSON for two tokens, logprobs=2: the sampled token first (vLLM's
+# order), then the top-2 by rank. "llo" was sampled although " there" ranks higher.
+STEP1 = json.dumps([{"10": {"logprob": -0.5, "rank": 1, "decoded_token": "He"},
+                     "11": {"logprob": -1.5, "rank": 2, "decoded_token": "Hi"}}])
+STEP2 = json.dumps([{"21": {"logprob": -2.0, "rank": 3, "decoded_token": "llo"},
+                     "22": {"logprob": -0.7, "rank": 1, "decoded_token": " there"},
+                     "23": {"logprob": -1.1, "rank": 2, "decoded_token": "y"}}])
+
+
+class ScriptedRoute:
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+        self.error: str | None = None
+
+    async def generate(self, prompt, sampling, prompt_param="prompt"):
+        self.calls.append((prompt, dict(sampling)))
+        if self.error:
+            raise from_upstream(self.error, prompt_param)
+        want = sampling.get("logprobs") is not None
+        yield Piece("He", 1, 3, None, parse_route_logprobs(STEP1) if want else None)
+        yield Piece("llo", 1, 3, "length", parse_route_logprobs(STEP2) if want else None)
+
+    async def ready(self):
+        return True
+
+    async def close(self):
+        pass
+
+
+class TemplateTokenizer:
+    chat_template = "x"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kw):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+
+@pytest.fixture(scope="module")
+def served():
+    route = ScriptedRoute()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = FrontendConfig(host="127.0.0.1", port=port)
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg, TemplateTokenizer(), route), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+    yield route, client
+    server.should_exit = True
+    t.join(10)
+
+
+def test_completion_logprobs(served):
+    route, client = served
+    r = client.completions.create(model="vllm_model", prompt="Say", max_tokens=2, logprobs=2)
+    assert route.calls[-1] == ("Say", {"max_tokens": 2, "logprobs": 2})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "Hello"
+    assert lp.tokens == ["He", "llo"]
+    assert lp.token_logprobs == [-0.5, -2.0]  # the sampled token's, not the best-ranked one's
+    assert lp.top_logprobs == [{"He": -0.5, "Hi": -1.5}, {"llo": -2.0, " there": -0.7, "y": -1.1}]
+    assert lp.text_offset == [0, 2]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="vllm_model", prompt="Say", max_tokens=2, logprobs=2, stream=True)]
+    assert [s.tokens for s in streamed] == [["He"], ["llo"]] and [s.text_offset for s in streamed] == [[0], [2]]
+
+
+def test_chat_logprobs(served):
+    route, client = served
+    msgs = [{"role": "user", "content": "Say"}]
+    r = client.chat.completions.create(model="vllm_model", messages=msgs, max_tokens=2, logprobs=True,
+                                       top_logprobs=2)
+    assert route.calls[-1] == ("<user>Say<assistant>", {"max_tokens": 2, "logprobs": 2})
+    content = r.choices[0].logprobs.content
+    assert [(c.token, c.logprob, c.bytes) for c in content] == [("He", -0.5, [72, 101]),
+                                                                ("llo", -2.0, [108, 108, 111])]
+    assert [[(t.token, t.logprob) for t in c.top_logprobs] for c in content] == [
+        [("He", -0.5), ("Hi", -1.5)], [(" there", -0.7), ("y", -1.1)]]
+    chunks = list(client.chat.completions.create(model="vllm_model", messages=msgs, max_tokens=2,
+                                                 logprobs=True, stream=True))
+    tokens = [[c.token for c in ch.choices[0].logprobs.content] for ch in chunks if ch.choices[0].logprobs]
+    assert tokens == [["He"], ["llo"]]
+    assert route.calls[-1][1]["logprobs"] == 0  # logprobs without top_logprobs: the sampled token only
+    plain = client.chat.completions.create(model="vllm_model", messages=msgs, max_tokens=2)
+    assert plain.choices[0].logprobs is None and "logprobs" not in route.calls[-1][1]
+
+
+def test_route_errors_are_400_naming_the_field(served):
+    route, client = served
+    route.error = "Error generating stream: return_logprobs: log probabilities are not available in this engine yet"
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="vllm_model", prompt="Say", max_tokens=2, logprobs=1)
+        assert e.value.param == "logprobs" and "not available" in e.value.message
+        route.error = "sampling_parameters.presence_penalty: is not supported by this engine"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="vllm_model", messages=[{"role": "user", "content": "x"}],
+                                           presence_penalty=1.0, stream=True)
+        assert e.value.param == "presence_penalty"
+    finally:
+        route.error = None
+
+
+def test_sampling_parameters_forwarded(served):
+    route, client = served
+    client.completions.create(model="vllm_model", prompt="Say", max_tokens=5, temperature=0.5, top_p=0.9,
+                              seed=7, n=2, stop=["x", "yz"], presence_penalty=0.25, frequency_penalty=0.5,
+                              extra_body={"top_k": 4, "min_tokens": 1, "repetition_penalty": 1.1,
+                                          "ignore_eos": True})
+    base = {"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_tokens": 1,
+            "presence_penalty": 0.25, "frequency_penalty": 0.5, "repetition_penalty": 1.1,
+            "stop": ["x", "yz"], "ignore_eos": True}
+    assert [c[1] for c in route.calls[-2:]] == [{**base, "seed": 7}, {**base, "seed": 8}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="vllm_model", prompt="Say", logprobs=1, echo=True)
+    assert e.value.param == "echo"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="vllm_model", messages=[{"role": "user", "content": "x"}],
+                                       top_logprobs=2)
+    assert e.value.param == "top_logprobs"
