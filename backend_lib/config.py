@@ -33,6 +33,7 @@ class EngineConfig:
     num_kv_blocks: int = 0                  # 0: derived (gpu_memory_utilization on CUDA, a fixed size on CPU)
     gpu_memory_utilization: float = 0.85    # fraction of device memory the engine may take (CUDA only)
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True      # reuse the KV of cached prompt prefixes (full blocks)
     async_token_handoff: str = "auto"       # auto | on | off
     enable_cuda_graph: bool = True
     cuda_graph_max_batch: int = 256         # largest captured decode bucket
@@ -66,7 +67,7 @@ class EngineConfig:
                 fail(name, f"must be an integer >= {lo}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             fail("gpu_memory_utilization", "must be in (0, 1]")
-        for name in ("enable_chunked_prefill", "enable_cuda_graph"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")
         if self.num_kv_blocks and self.num_kv_blocks < 2:

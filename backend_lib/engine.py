@@ -47,6 +47,10 @@ class EngineStats:
     async_steps_total: int = 0
     sync_steps_total: int = 0
     num_preemptions: int = 0
+    prefill_tokens_total: int = 0               # known tokens whose KV was computed (recomputation included)
+    prefix_cache_queried_tokens_total: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hit_tokens_total: int = 0      # of which served from the cache (not computed)
+    kv_blocks_cached: int = 0                   # blocks holding reusable prefix KV (held or evictable)
     step_time_s: float = 0.0        # wall time inside step() since start
     wait_time_s: float = 0.0        # of which: waiting on step events (host idle)
     gpu_idle_gap_us: list[float] = field(default_factory=list)
@@ -81,7 +85,8 @@ class LLMEngine:
             self.runner = ModelRunner(cfg, hf, self.decision, num_blocks, self.max_model_len)
         self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-                                   cfg.enable_chunked_prefill, BlockPool(num_blocks, cfg.block_size))
+                                   cfg.enable_chunked_prefill,
+                                   BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching))
         self.async_enabled = self.decision.enabled
         self._inflight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
         # Pipeline parallel: up to one step in flight per stage.
@@ -197,6 +202,10 @@ class LLMEngine:
             generation_tokens_total=s.stats.generation_tokens_total,
             async_steps_total=self._async_steps, sync_steps_total=self._sync_steps,
             num_preemptions=s.stats.num_preemptions,
+            prefill_tokens_total=s.stats.prefill_tokens_total,
+            prefix_cache_queried_tokens_total=s.stats.prefix_cache_queried_tokens_total,
+            prefix_cache_hit_tokens_total=s.stats.prefix_cache_hit_tokens_total,
+            kv_blocks_cached=s.blocks.num_cached,
             step_time_s=self._step_s, wait_time_s=self._wait_s,
             gpu_idle_gap_us=self.runner.handoff.take_gaps_us())
 

@@ -112,6 +112,10 @@ class Request:
     num_preemptions: int = 0
     effective_seed: int = 0
     num_streamed: int = 0          # output tokens already handed to the client
+    # Prefix caching (the scheduler's): chained hashes of the request's full blocks of known
+    # tokens, and how many leading blocks of block_ids hold final KV (cached or shareable).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_committed_blocks: int = 0
 
     num_prompt_tokens: int = field(init=False, default=0)
 

@@ -8,6 +8,17 @@ Accounting (vLLM v1 style, seed 001): `num_computed_tokens` counts tokens whose 
 its step's tokens reach the host (`update`). A request with steps in flight is scheduled
 again as soon as it has budget and KV room: its next input token is the placeholder, which
 the runner gathers on the device from the relay buffer (never through the host).
+
+Prefix caching: a block is *committed* (its KV final: registered in the prefix cache,
+shareable with n > 1 forks) once every position in it is below both num_computed_tokens
+(its KV was scheduled) and num_tokens (its token is confirmed), and the step that writes
+it has been launched. So no placeholder and no overshoot position (the lookahead step past
+a stop computes KV for a token the host then discards) is ever inside a committed block,
+and every reader of a committed block is scheduled in a later step, which the device (and
+every pipeline stage) runs after the write. Commits happen where no row of the current
+step exists yet for the request: at the start of schedule(), and when it is preempted or
+finished. An admitted request takes the longest committed prefix of its known tokens
+(recomputation after preemption included) and computes only the rest.
 """
 from __future__ import annotations
 
@@ -15,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .kv_cache import BlockPool, SlotPool
+from .kv_cache import ROOT_HASH, BlockPool, SlotPool, block_hash
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 
 
@@ -56,6 +67,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     prompt_tokens_total: int = 0        # prompt tokens of admitted requests (first admission)
     generation_tokens_total: int = 0    # output tokens delivered to requests
+    prefill_tokens_total: int = 0       # known tokens whose KV was computed (recomputation included)
+    prefix_cache_queried_tokens_total: int = 0  # known tokens of admissions that looked up the cache
+    prefix_cache_hit_tokens_total: int = 0      # of which found cached (not computed)
 
 
 class Scheduler:
@@ -73,6 +87,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._step = 0
         self._pending_finished: list[RequestOutput] = []  # finished outside update (abort, length at admission)
+        self._fork_leader: dict[str, Request] = {}  # n > 1 fork not admitted yet -> the fork computing the prompt
 
     # ---- intake -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -80,6 +95,19 @@ class Scheduler:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def add_forks(self, reqs: Sequence[Request]) -> None:
+        """Requests of one prompt (n > 1): the first computes the prompt, the others wait
+        until its full blocks are committed and then share them (each computes its own
+        partial last block, so no block is ever written by two requests)."""
+        leader = reqs[0]
+        for r in reqs[1:]:
+            if r.prompt_token_ids != leader.prompt_token_ids:
+                raise ValueError(f"forks of {leader.request_id!r} must have its prompt ({r.request_id!r} differs)")
+        for r in reqs:
+            self.add(r)
+        for r in reqs[1:]:
+            self._fork_leader[r.request_id] = leader
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -111,6 +139,9 @@ class Scheduler:
         budget = self.token_budget
 
         bs = self.blocks.block_size
+        if self.waiting:  # only an admission can use what is committed now
+            for req in self.running:
+                self._commit_blocks(req)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -155,21 +186,34 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.num_output_placeholders > 0:
                     break  # preempted with steps in flight: re-admit once their tokens arrived
-                total = req.num_tokens - req.num_computed_tokens
+                hit = self._cached_prefix(req)
+                if hit is None:
+                    break  # a fork waiting for the prompt blocks its leader is computing
+                hit_tokens = len(hit) * bs
+                total = req.num_tokens - hit_tokens
                 if total > budget and not self.chunked:
                     break
                 n = min(total, budget)
-                need = self.blocks.blocks_needed(len(req.block_ids), req.num_computed_tokens + n)
-                if not self.blocks.can_allocate(need):
+                need = self.blocks.blocks_needed(len(hit), hit_tokens + n)
+                # Sharing a cached block that nobody holds takes it out of the free count.
+                if not self.blocks.can_allocate(need + self.blocks.num_evictable_in(hit)):
                     break
                 self.waiting.popleft()
+                self._fork_leader.pop(req.request_id, None)
                 if req.num_preemptions == 0:
                     self.stats.prompt_tokens_total += req.num_prompt_tokens
+                if self.blocks.enable_caching:
+                    self.stats.prefix_cache_queried_tokens_total += req.num_tokens
+                    self.stats.prefix_cache_hit_tokens_total += hit_tokens
+                self.blocks.share(hit)
+                req.block_ids = list(hit)
+                req.num_computed_tokens = hit_tokens
+                req.num_committed_blocks = len(hit)
                 req.status = RequestStatus.RUNNING
                 req.slot = self.slots.acquire()
                 out.new_slots.append(req)
                 self.running.append(req)
-                self._add_row(out, req, n, need)
+                self._add_row(out, req, n, need, table_from=0)
                 budget -= n
         return out
 
@@ -186,13 +230,19 @@ class Scheduler:
             return remaining
         return budget if self.chunked else 0
 
-    def _add_row(self, out: SchedulerOutput, req: Request, n: int, need: int) -> None:
+    def _add_row(self, out: SchedulerOutput, req: Request, n: int, need: int,
+                 table_from: Optional[int] = None) -> None:
+        """table_from: the first block-table entry the runner must write (0 at admission,
+        where shared prefix blocks come first); default: the newly allocated ones."""
+        first = len(req.block_ids) if table_from is None else table_from
         if need:
-            first_new = len(req.block_ids)
             req.block_ids.extend(self.blocks.allocate(need))
-            out.grown.append((req, first_new))
+        if len(req.block_ids) > first:
+            out.grown.append((req, first))
         start = req.num_computed_tokens
         known = req.num_tokens
+        if start < known:
+            self.stats.prefill_tokens_total += min(start + n, known) - start
         if start >= known:  # decode of a placeholder: its id is gathered on the device
             ids = [0]
         elif start + n <= req.num_prompt_tokens:
@@ -206,10 +256,54 @@ class Scheduler:
             req.num_output_placeholders += 1
         out.rows.append(ScheduledRow(req, start, n, samples, ids, first_from_relay))
 
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+    # ---- prefix cache ---------------------------------------------------------------------
+    def _cached_prefix(self, req: Request) -> Optional[list[int]]:
+        """Blocks of the longest committed prefix of req's known tokens, leaving at least
+        one token to compute (its logits give the next token); None: a fork whose leader is
+        still computing the prompt blocks it would share."""
+        shareable = (req.num_tokens - 1) // self.blocks.block_size
+        hit = self.blocks.longest_hit(self._hashes(req, shareable)) if self.blocks.enable_caching else []
+        leader = self._fork_leader.get(req.request_id)
+        if leader is not None and leader.status == RequestStatus.RUNNING and len(hit) < shareable:
+            if leader.num_committed_blocks < shareable:
+                return None
+            hit = leader.block_ids[:shareable]
+        return hit
+
+    def _hashes(self, req: Request, n: int) -> list[bytes]:
+        """The chained hashes of req's first n full blocks (computed once, kept)."""
+        hs = req.block_hashes
+        if len(hs) < n:
+            bs = self.blocks.block_size
+            p = req.num_prompt_tokens
+            tokens = req.prompt_token_ids if n * bs <= p else req.prompt_token_ids + req.output_token_ids
+            parent = hs[-1] if hs else ROOT_HASH
+            for i in range(len(hs), n):
+                parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+                hs.append(parent)
+        return hs
+
+    def _commit_blocks(self, req: Request) -> None:
+        """Commit req's blocks whose KV is final (see the module docstring): call it only
+        where the current step has no row of req yet."""
+        n = min(req.num_computed_tokens, req.num_tokens) // self.blocks.block_size
+        if n <= req.num_committed_blocks:
+            return
+        if self.blocks.enable_caching:
+            hs = self._hashes(req, n)
+            for i in range(req.num_committed_blocks, n):
+                self.blocks.cache(req.block_ids[i], hs[i])
+        req.num_committed_blocks = n
+
+    def _release_blocks(self, req: Request) -> None:
+        self._commit_blocks(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
+        req.num_committed_blocks = 0
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release_blocks(req)
         self.slots.release(req.slot)
         req.slot = -1
         req.num_computed_tokens = 0
@@ -266,8 +360,8 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         if req.block_ids:
-            self.blocks.free(req.block_ids)
-            req.block_ids = []
+            self._release_blocks(req)
+        self._fork_leader.pop(req.request_id, None)
         if req.slot >= 0:
             self.slots.release(req.slot)
             req.slot = -1

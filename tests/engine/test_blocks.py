@@ -13,11 +13,12 @@ def path(tiny_llama_path):
 
 
 def check_block_invariants(eng, _step=None):
-    """Blocks held by live requests == blocks the pool counts as used; no block owned twice;
-    the null block 0 is never handed out."""
-    owned = [b for r in eng.scheduler.requests.values() for b in r.block_ids]
-    assert len(owned) == len(set(owned)), "a KV block is owned by two requests"
-    assert 0 not in owned
+    """Every block is held (reference count == number of live requests holding it), free, or
+    cached and evictable, exactly once; the pool counts as used exactly the distinct held
+    blocks; the null block 0 is never handed out."""
+    lists = [r.block_ids for r in eng.scheduler.requests.values()]
+    eng.scheduler.blocks.check_consistency(lists)
+    owned = {b for bl in lists for b in bl}
     st = eng.stats()
     assert st.kv_blocks_used == len(owned), (st.kv_blocks_used, len(owned))
     assert 0 <= st.kv_blocks_used <= st.kv_blocks_total
