@@ -241,8 +241,11 @@ class Scheduler:
             out.grown.append((req, first))
         start = req.num_computed_tokens
         known = req.num_tokens
-        if start < known:
-            self.stats.prefill_tokens_total += min(start + n, known) - start
+        # Prefill: prompt positions, and after a preemption the earlier outputs recomputed
+        # (not the decode input at known - 1).
+        prefill_end = max(req.num_prompt_tokens, known - 1)
+        if start < prefill_end:
+            self.stats.prefill_tokens_total += min(start + n, prefill_end) - start
         if start >= known:  # decode of a placeholder: its id is gathered on the device
             ids = [0]
         elif start + n <= req.num_prompt_tokens:

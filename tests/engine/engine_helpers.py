@@ -52,8 +52,11 @@ def _hf_generate_cached(path: str, prompt: tuple, max_new: int, stop_at_eos: boo
             kw["min_new_tokens"] = min_new
     else:
         kw["eos_token_id"] = None
+    ids = torch.tensor([list(prompt)])
     with torch.inference_mode():
-        out = m.generate(torch.tensor([list(prompt)]), **kw)[0, len(prompt):].tolist()
+        # An explicit mask: generate() would infer one from pad_token_id and mask out every
+        # prompt token equal to it (a multi-turn prompt holds model outputs, any id).
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), **kw)[0, len(prompt):].tolist()
     if stop_at_eos and EOS in out:  # HF pads after EOS (only in batches; be safe)
         out = out[:out.index(EOS) + 1]
     return tuple(out)
