@@ -11,14 +11,16 @@ the runner gathers on the device from the relay buffer (never through the host).
 
 Prefix caching: a block is *committed* (its KV final: registered in the prefix cache,
 shareable with n > 1 forks) once every position in it is below both num_computed_tokens
-(its KV was scheduled) and num_tokens (its token is confirmed), and the step that writes
-it has been launched. So no placeholder and no overshoot position (the lookahead step past
-a stop computes KV for a token the host then discards) is ever inside a committed block,
-and every reader of a committed block is scheduled in a later step, which the device (and
-every pipeline stage) runs after the write. Commits happen where no row of the current
-step exists yet for the request: at the start of schedule(), and when it is preempted or
-finished. An admitted request takes the longest committed prefix of its known tokens
-(recomputation after preemption included) and computes only the rest.
+(its KV is scheduled) and num_tokens (its token is confirmed). So no placeholder and no
+overshoot position (a lookahead step past a stop computes KV for a token the host then
+discards) is ever inside a committed block. A reader of a committed block is scheduled in
+a later step, which the device and every pipeline stage run after the write, or in the
+same step as the write, where every layer writes the KV of all the step's tokens before any
+row attends (models/llama.py), as in vLLM. Commits happen before admissions (for the
+running requests), after each admission's row (so a burst sharing a prefix computes it
+once), and when a request is preempted or finished. An admitted request takes the longest
+committed prefix of its known tokens (recomputation after preemption included) and
+computes only the rest.
 """
 from __future__ import annotations
 
@@ -139,9 +141,6 @@ class Scheduler:
         budget = self.token_budget
 
         bs = self.blocks.block_size
-        if self.waiting:  # only an admission can use what is committed now
-            for req in self.running:
-                self._commit_blocks(req)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -182,6 +181,9 @@ class Scheduler:
             i += 1
 
         if out.num_preempted == 0:
+            if self.waiting:  # only an admission can use what is committed now
+                for req in self.running:
+                    self._commit_blocks(req)
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 if req.num_output_placeholders > 0:
@@ -214,6 +216,7 @@ class Scheduler:
                 out.new_slots.append(req)
                 self.running.append(req)
                 self._add_row(out, req, n, need, table_from=0)
+                self._commit_blocks(req)  # the next admission may share what this row computes
                 budget -= n
         return out
 
@@ -287,8 +290,7 @@ class Scheduler:
         return hs
 
     def _commit_blocks(self, req: Request) -> None:
-        """Commit req's blocks whose KV is final (see the module docstring): call it only
-        where the current step has no row of req yet."""
+        """Commit req's blocks whose KV is final (see the module docstring)."""
         n = min(req.num_computed_tokens, req.num_tokens) // self.blocks.block_size
         if n <= req.num_committed_blocks:
             return

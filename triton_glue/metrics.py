@@ -30,6 +30,9 @@ NAMES = {
     "async": "llm_async_steps_total",
     "sync": "llm_sync_steps_total",
     "preempt": "llm_preemptions_total",
+    "pc_queried": "llm_prefix_cache_queried_tokens_total",
+    "pc_hit": "llm_prefix_cache_hit_tokens_total",
+    "kv_cached": "llm_kv_blocks_cached",
     "idle": "llm_gpu_idle_gap_seconds",
 }
 
@@ -89,9 +92,15 @@ class EngineMetrics:
         self.async_steps = metric(fam("async", MF.COUNTER, "Engine steps run with the async token handoff engaged"))
         self.sync_steps = metric(fam("sync", MF.COUNTER, "Engine steps run synchronously"))
         self.preemptions = metric(fam("preempt", MF.COUNTER, "Requests preempted for KV space"))
+        self.pc_queried = metric(fam("pc_queried", MF.COUNTER, "Prompt tokens looked up in the prefix cache "
+                                                               "(at each admission, recomputation included)"))
+        self.pc_hit = metric(fam("pc_hit", MF.COUNTER, "Of the queried tokens, those whose KV came from the "
+                                                       "prefix cache (not computed)"))
+        self.kv_cached = metric(fam("kv_cached", MF.GAUGE, "KV-cache blocks holding reusable prefix KV "
+                                                           "(held or evictable)"))
         self.idle_gap = metric(fam("idle", MF.HISTOGRAM, "GPU idle gap between consecutive decode steps (s)"),
                                buckets=IDLE_GAP_BUCKETS)
-        self._last = {"async": 0, "sync": 0, "preempt": 0}
+        self._last = {"async": 0, "sync": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0}
 
     def request_finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
         self.prompt_tokens.increment(num_prompt)
@@ -106,10 +115,13 @@ class EngineMetrics:
         self.waiting.set(st.num_waiting)
         self.kv_used.set(st.kv_blocks_used)
         self.kv_total.set(st.kv_blocks_total)
+        self.kv_cached.set(getattr(st, "kv_blocks_cached", 0))
         self.healthy.set(1 if healthy else 0)
         for key, total, m in (("async", st.async_steps_total, self.async_steps),
                               ("sync", st.sync_steps_total, self.sync_steps),
-                              ("preempt", getattr(st, "num_preemptions", 0), self.preemptions)):
+                              ("preempt", getattr(st, "num_preemptions", 0), self.preemptions),
+                              ("pc_queried", getattr(st, "prefix_cache_queried_tokens_total", 0), self.pc_queried),
+                              ("pc_hit", getattr(st, "prefix_cache_hit_tokens_total", 0), self.pc_hit)):
             delta = int(total) - self._last[key]
             if delta > 0:
                 m.increment(delta)

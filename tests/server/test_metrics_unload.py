@@ -53,6 +53,31 @@ def test_metrics_are_exact(server):
     assert server.metric("llm_kv_blocks_total") > 0
 
 
+def test_prefix_cache_metrics(server):
+    """The second request with the same 40-token prompt takes its 2 full blocks of 16 from
+    the prefix cache (the last token is always computed), and answers the same."""
+    assert wait_for(server.idle, 15)
+    names = ["llm_prefix_cache_queried_tokens_total", "llm_prefix_cache_hit_tokens_total"]
+    prompt = [[600 + (i * 37) % 150 for i in range(40)]]   # used by no other test
+    sc = StreamClient(server.grpc_url)
+    outs, deltas = [], []
+    try:
+        for i in range(2):
+            before = {n: server.metric(n) for n in names}
+            c = sc.send("llm", {"input_ids": np.array(prompt, dtype=np.int64), "max_tokens": 4, "ignore_eos": True,
+                                "temperature": 0.0, "stream": True, "exclude_input_in_output": True}, f"pc{i}")
+            assert c.done.wait(60)
+            outs.append(sum(c.ids(), []))
+            assert wait_for(server.idle, 10)
+            time.sleep(0.5)  # one stats export after the last step
+            deltas.append({n: server.metric(n) - before[n] for n in names})
+    finally:
+        sc.close()
+    assert len(outs[0]) == 4 and outs[0] == outs[1]
+    assert deltas == [{names[0]: 40, names[1]: 0}, {names[0]: 40, names[1]: 32}]
+    assert server.metric("llm_kv_blocks_cached") >= 2
+
+
 def test_restricted_apis_need_the_key(server):
     status, text = http_post(server.http_url, "/v2/repository/index", {})
     assert status != 200 and "triton-access-key" in text
