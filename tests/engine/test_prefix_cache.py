@@ -253,3 +253,18 @@ def test_forks_must_share_the_prompt(path):
     b = Request("b", [5, 6, 8], greedy(2))
     with pytest.raises(ValueError, match="forks of 'a' must have its prompt"):
         eng.scheduler.add_forks([a, b])
+
+
+def test_bench_prefix_cache_smoke(tmp_path, path):
+    """bench/prefix_cache.py end to end on CPU (tiny sizes): 4 requests x (40 common + 8 own)
+    tokens; with caching on, 3 of them take the 2 full common blocks (32 tokens) from the cache."""
+    import json
+    from bench import prefix_cache
+    out = tmp_path / "pc.json"
+    assert prefix_cache.main(["--model", path, "--requests", "4", "--prefix", "40", "--suffix", "8",
+                              "--output", "3", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["off"]["prefill_tokens"] == 4 * 48 and doc["off"]["hit_tokens"] == 0
+    assert doc["on"]["hit_tokens"] == 3 * 32 and doc["on"]["queried_tokens"] == 4 * 48
+    assert doc["on"]["prefill_tokens"] == 4 * 48 - 3 * 32
+    assert doc["identical_outputs"] == 4
