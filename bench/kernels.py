@@ -118,9 +118,18 @@ def profile_decode_steps(path: str, args, cuda_graph: bool, trace: Path) -> dict
         raw = json.load(f)
     evs = raw["traceEvents"] if isinstance(raw, dict) else raw
     cats = _DEVICE_CATS if cuda else ("cpu_op",)
-    events = [(e.get("cat"), e.get("name", "?"), float(e.get("dur", 0.0))) for e in evs
-              if e.get("ph") == "X" and e.get("cat") in cats]
-    return {"events": events, "steps": args.steps, "wall_s": wall, "graph": graph, "num_layers": num_layers}
+    picked = [e for e in evs if e.get("ph") == "X" and e.get("cat") in cats]
+    events = [(e.get("cat"), e.get("name", "?"), float(e.get("dur", 0.0))) for e in picked]
+    # Kernels of one launch share its correlation id: a graph replay's kernels, in order.
+    launches: dict = defaultdict(list)
+    for e in picked:
+        corr = (e.get("args") or {}).get("correlation")
+        if corr is not None:
+            launches[corr].append((float(e.get("ts", 0.0)), e.get("name", "?"), float(e.get("dur", 0.0))))
+    biggest = sorted((sorted(v) for v in launches.values()), key=len)
+    one_launch = biggest[-1] if biggest and len(biggest[-1]) > 1 else []
+    return {"events": events, "steps": args.steps, "wall_s": wall, "graph": graph, "num_layers": num_layers,
+            "one_launch": [(name, dur) for _, name, dur in one_launch]}
 
 
 def kernel_family(name: str) -> str:
@@ -162,6 +171,13 @@ def census_tables(c: dict, cuda: bool) -> str:
     lines += ["| family | per step | µs/step | % of busy |", "|---|---|---|---|"]
     for f, (k, d) in sorted(fam.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {f} | {k / steps:.1f} | {d / steps:.1f} | {100 * d / max(busy, 1e-9):.1f} |")
+    if cuda and c["graph"] and len(c.get("one_launch") or []) >= c["num_layers"]:
+        seq = c["one_launch"]
+        lines += ["", f"One graph replay (the decode program), in launch order: {len(seq)} kernels, "
+                      f"{sum(d for _, d in seq):.1f} µs; the remaining {n / steps - len(seq):.1f} kernels per step "
+                      f"run outside the graph (table updates, relay/handoff copies).", "",
+                  "| # | kernel | µs |", "|---|---|---|"]
+        lines += [f"| {i} | `{_short(name, 70)}` | {d:.2f} |" for i, (name, d) in enumerate(seq)]
     lines += ["", "| kernel | calls/step | µs/call | µs/step | % of busy |", "|---|---|---|---|---|"]
     for name, (k, d) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| `{_short(name)}` | {k / steps:.2f} | {d / k:.2f} | {d / steps:.2f} | "
