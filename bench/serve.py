@@ -226,7 +226,7 @@ class GpuBusy:
 # ---- in-process --------------------------------------------------------------------------------
 
 def closed_loop(eng, reqs: list[Req], sampling: str, conc: int, total: int, tag: str,
-                keep_times: bool = False) -> list[Record]:
+                timeout_s: float = 900.0, keep_times: bool = False) -> list[Record]:
     """A fixed number of requests in flight (a finished one is replaced at once, as
     perf_analyzer's --concurrency-range does); requests taken from `reqs` in order."""
     lock, done = threading.Lock(), threading.Event()
@@ -264,7 +264,7 @@ def closed_loop(eng, reqs: list[Req], sampling: str, conc: int, total: int, tag:
     with lock:
         for _ in range(min(conc, total)):
             submit()
-    if not done.wait(900):
+    if not done.wait(timeout_s):
         raise TimeoutError(f"in-process run {tag} did not finish ({len(finished)}/{total})")
     return finished
 
@@ -310,62 +310,62 @@ def free_engine(eng) -> None:
         pass
 
 
-def run_inprocess(args, params, vocab, busy: GpuBusy) -> list[dict]:
-    rows = []
+def run_inprocess(args, params, vocab, busy: GpuBusy, report: "Report") -> None:
+    if report.over_budget("in-process engine"):
+        return
     eng = new_engine(params)
     try:
         for wl in args.workloads:
             reqs = workload(wl, args, vocab, args.distinct_requests)
             for sampling in args.samplings:
                 for c in args.concurrency:
+                    if report.over_budget(f"in-process {wl} {sampling} c={c}"):
+                        continue
                     tag = f"ip-{wl}-{sampling}-{c}"
-                    closed_loop(eng, reqs, sampling, c, max(c, args.warmup), tag + "-warm")
+                    closed_loop(eng, reqs, sampling, c, max(c, args.warmup), tag + "-warm", args.point_timeout)
                     n = max(args.min_requests, c * args.rounds)
                     t0 = time.perf_counter()
-                    recs = closed_loop(eng, reqs, sampling, c, n, tag)
-                    row = row_from("in-process AsyncEngine", wl, sampling, c, recs,
-                                   busy.mean(t0, time.perf_counter()))
-                    rows.append(row)
-                    _progress(row)
+                    recs = closed_loop(eng, reqs, sampling, c, n, tag, args.point_timeout)
+                    report.add(row_from("in-process AsyncEngine", wl, sampling, c, recs,
+                                        busy.mean(t0, time.perf_counter())))
         # steady decode of the same engine: batch c of the fixed workload, all at once
         reqs = workload("fixed", args, vocab, max(args.concurrency), seed=1)
         for sampling in args.samplings:
             for c in args.concurrency:
+                if report.over_budget(f"steady {sampling} c={c}"):
+                    continue
                 tag = f"steady-{sampling}-{c}"
-                closed_loop(eng, reqs[:c], sampling, c, c, tag + "-warm")
+                closed_loop(eng, reqs[:c], sampling, c, c, tag + "-warm", args.point_timeout)
                 t0 = time.perf_counter()
-                recs = closed_loop(eng, reqs[:c], sampling, c, c, tag, keep_times=True)
+                recs = closed_loop(eng, reqs[:c], sampling, c, c, tag, args.point_timeout, keep_times=True)
                 step_ms, steps = steady_step(recs)
                 row = row_from("steady decode (same engine)", "fixed", sampling, c, recs,
                                busy.mean(t0, time.perf_counter()), steady_steps=steps)
                 # the steady row's TPOT and tok/s are the batch's step time, not per request
                 row.update(tpot_ms_p50=step_ms, tpot_ms_p99=None, tpot_ms_mean=step_ms,
                            tok_s=c / step_ms * 1e3 if step_ms else 0.0, ttft_ms_p50=None, ttft_ms_p99=None)
-                rows.append(row)
-                _progress(row)
+                report.add(row)
     finally:
         free_engine(eng)
-    return rows
 
 
-def run_mixed_burst(args, params, vocab, busy: GpuBusy) -> list[dict]:
+def run_mixed_burst(args, params, vocab, busy: GpuBusy, report: "Report") -> None:
     """The issue-13 mixed workload: every request submitted at once, async vs sync handoff."""
-    rows = []
     reqs = workload("mixed", args, vocab, args.mixed_requests, seed=2)
     for mode in ("on", "off"):
+        if report.over_budget(f"burst async handoff {mode}"):
+            continue
         eng = new_engine(params, async_token_handoff=mode)
         try:
-            closed_loop(eng, reqs[:args.warmup], "greedy", args.warmup, args.warmup, f"burst-{mode}-warm")
+            closed_loop(eng, reqs[:args.warmup], "greedy", args.warmup, args.warmup, f"burst-{mode}-warm",
+                        args.point_timeout)
             t0 = time.perf_counter()
-            recs = closed_loop(eng, reqs, "greedy", len(reqs), len(reqs), f"burst-{mode}")
-            row = row_from(f"in-process, async handoff {mode}", "burst", "greedy", len(reqs), recs,
-                           busy.mean(t0, time.perf_counter()),
-                           async_enabled=bool(eng.engine.async_enabled))
-            rows.append(row)
-            _progress(row)
+            recs = closed_loop(eng, reqs, "greedy", len(reqs), len(reqs), f"burst-{mode}", args.point_timeout)
+            report.add(row_from(f"in-process, async handoff {mode}", "burst", "greedy", len(reqs), recs,
+                                busy.mean(t0, time.perf_counter()),
+                                async_enabled=bool(eng.engine.async_enabled)))
         finally:
             free_engine(eng)
-    return rows
 
 
 # ---- Triton --------------------------------------------------------------------------------------
@@ -506,13 +506,21 @@ def records_from_profile(path: Path) -> list[Record]:
     return recs
 
 
-def run_triton(args, params, vocab, busy: GpuBusy, work: Path) -> list[dict]:
-    rows = []
+def run_triton(args, params, vocab, busy: GpuBusy, work: Path, report: "Report") -> None:
     for i, (name, overrides) in enumerate(args.variants):
         label = "Triton" + (f" {name}" if name else "")
         genai = bool(args.genai_perf) and i == 0  # genai-perf on the first server only
         repo = make_repository(work / f"repo-{name or 'default'}", dict(params, **overrides), with_text_models=genai)
-        srv = TritonServer(repo, args.out_dir / f"server-{name or 'default'}.log", args.start_timeout)
+        if report.over_budget(label):
+            continue
+        try:
+            srv = TritonServer(repo, args.out_dir / f"server-{name or 'default'}.log", args.start_timeout)
+        except RuntimeError as e:  # the other servers and parts still run
+            log(f"{label}: {e}")
+            why = [l.strip(" |") for l in str(e).splitlines() if "UNAVAILABLE" in l or "rror" in l]
+            report.failed_part(label, (why[0] if why else str(e).splitlines()[0])[:300])
+            continue
+        mine = []
         try:
             for wl in args.workloads:
                 reqs = workload(wl, args, vocab, args.distinct_requests)
@@ -520,21 +528,20 @@ def run_triton(args, params, vocab, busy: GpuBusy, work: Path) -> list[dict]:
                     data = work / f"input-{wl}-{sampling}.json"
                     data.write_text(json.dumps(perf_analyzer_input(reqs, sampling)))
                     for c in args.concurrency:
-                        rows.append(perf_point(args, srv, label, wl, sampling, c, data, busy, work))
-                        _progress(rows[-1])
+                        if not report.over_budget(f"{label} {wl} {sampling} c={c}"):
+                            mine.append(report.add(perf_point(args, srv, label, wl, sampling, c, data, busy, work)))
             if genai:
                 for sampling, c in args.genai_points:
-                    rows.append(genai_point(args, srv, sampling, c, busy, work))
-                    _progress(rows[-1])
+                    if not report.over_budget(f"genai-perf {sampling} c={c}"):
+                        mine.append(report.add(genai_point(args, srv, sampling, c, busy, work)))
         finally:
             srv.stop()
         tracebacks = [l for l in srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
         if tracebacks:
             log(f"server log has {len(tracebacks)} Traceback(s): {srv.log_path}")
-            for r in rows:
-                if r["path"] == label or (genai and r["path"] == GENAI_LABEL):
-                    r["server_tracebacks"] = len(tracebacks)
-    return rows
+            for r in mine:
+                r["server_tracebacks"] = len(tracebacks)
+            report.write()
 
 
 def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy: GpuBusy, work: Path) -> dict:
@@ -738,6 +745,8 @@ def parse_args(argv=None):
     ap.add_argument("--genai-points", default=None,
                     help="SAMPLING:C,... genai-perf points (default: every sampling x concurrency)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds: points not started by then are skipped (and listed); 0: no limit")
     ap.add_argument("--point-timeout", type=float, default=300.0)
     ap.add_argument("--model-dir", default="/tmp/bench-models", help="where preset config folders go")
     ap.add_argument("--keep-work", action="store_true", help="keep the temporary folder (repositories, "
@@ -795,6 +804,61 @@ def genai_perf_usable(a, model: str) -> Optional[str]:
     return a.genai_perf
 
 
+class Report:
+    """The rows so far, written to serve.json / serve.md after every row (a run cut short by the
+    device's time limit still leaves its table), and the run's time budget."""
+
+    def __init__(self, a, params: dict[str, str], name: str):
+        self.a, self.params, self.name = a, params, name
+        self.rows: list[dict] = []
+        self.skipped: list[str] = []
+        self.part_errors: list[dict] = []
+        self.t0 = time.perf_counter()
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        _progress(row)
+        self.write()
+        return row
+
+    def over_budget(self, what: str) -> bool:
+        if self.a.time_budget and time.perf_counter() - self.t0 > self.a.time_budget:
+            log(f"skipped (time budget {self.a.time_budget:.0f} s spent): {what}")
+            self.skipped.append(what)
+            return True
+        return False
+
+    def failed_part(self, part: str, error: str) -> None:
+        self.part_errors.append({"part": part, "error": error})
+        self.write()
+
+    def header(self) -> str:
+        a, p = self.a, self.params
+        h = (f"{self.name}, {a.device} {a.dtype}, engine `{a.engine}` (max_num_seqs {p['max_num_seqs']}, "
+             f"max_num_batched_tokens {p['max_num_batched_tokens']}, cuda_graph_max_batch "
+             f"{p['cuda_graph_max_batch']}, async_token_handoff {p['async_token_handoff']}); "
+             f"fixed: prompt {a.prompt_len} / output {a.output_len}; mixed: prompts {a.mixed_prompt[0]}-"
+             f"{a.mixed_prompt[1]} / outputs {a.mixed_output[0]}-{a.mixed_output[1]}; ignore_eos; "
+             f"run {time.perf_counter() - self.t0:.0f} s")
+        if self.skipped:
+            h += f"; SKIPPED (time budget): {', '.join(self.skipped)}"
+        if self.part_errors:
+            h += "; FAILED: " + "; ".join(f"{e['part']}: {' '.join(e['error'].split())[:300]}"
+                                          for e in self.part_errors)
+        return h
+
+    def write(self) -> str:
+        a = self.a
+        table = markdown(self.rows, self.header())
+        meta = {"model": self.name, "model_path": a.model_path, "device": a.device, "dtype": a.dtype,
+                "engine": a.engine, "params": self.params, "argv": sys.argv[1:],
+                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "skipped": self.skipped, "part_errors": self.part_errors}
+        (a.out_dir / "serve.json").write_text(json.dumps({"meta": meta, "rows": self.rows}, indent=1))
+        (a.out_dir / "serve.md").write_text(table)
+        return table
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.out_dir.mkdir(parents=True, exist_ok=True)
@@ -806,35 +870,29 @@ def main(argv=None) -> int:
     name = a.preset or Path(model).name
     log(f"model {name} ({model}), engine {a.engine}: " + ", ".join(f"{k}={v}" for k, v in params.items()))
     busy = GpuBusy(a.device == "cuda")
-    rows: list[dict] = []
+    report = Report(a, params, name)
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    t0 = time.perf_counter()
+    parts = [("triton", lambda: run_triton(a, params, vocab, busy, work, report)),
+             ("inproc", lambda: run_inprocess(a, params, vocab, busy, report)),
+             ("burst", lambda: run_mixed_burst(a, params, vocab, busy, report))]
     try:
-        if "triton" in a.parts:
-            rows += run_triton(a, params, vocab, busy, work)
-        if "inproc" in a.parts:
-            rows += run_inprocess(a, params, vocab, busy)
-        if "burst" in a.parts:
-            rows += run_mixed_burst(a, params, vocab, busy)
+        for part, run in parts:
+            if part not in a.parts:
+                continue
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001 - the next part still runs; the table says so
+                import traceback
+                traceback.print_exc()
+                report.failed_part(part, repr(e))
     finally:
         busy.close()
         if a.keep_work:
             log(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    header = (f"{name}, {a.device} {a.dtype}, engine `{a.engine}` (max_num_seqs {params['max_num_seqs']}, "
-              f"max_num_batched_tokens {params['max_num_batched_tokens']}, cuda_graph_max_batch "
-              f"{params['cuda_graph_max_batch']}, async_token_handoff {params['async_token_handoff']}); "
-              f"fixed: prompt {a.prompt_len} / output {a.output_len}; mixed: prompts {a.mixed_prompt[0]}-"
-              f"{a.mixed_prompt[1]} / outputs {a.mixed_output[0]}-{a.mixed_output[1]}; ignore_eos; "
-              f"run {time.perf_counter() - t0:.0f} s")
-    table = markdown(rows, header)
-    meta = {"model": name, "model_path": model, "device": a.device, "dtype": a.dtype, "engine": a.engine,
-            "params": params, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    (a.out_dir / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (a.out_dir / "serve.md").write_text(table)
-    print(table)
-    return 1 if any(r["errors"] for r in rows) else 0
+    print(report.write())
+    return 1 if report.part_errors or any(r["errors"] for r in report.rows) else 0
 
 
 if __name__ == "__main__":

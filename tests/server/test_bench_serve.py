@@ -94,3 +94,26 @@ def test_markdown_table_has_a_line_per_row(report):
         else:
             prefix = f"| {r['workload']} | {r['sampling']} | {r['concurrency']} | {r['path']} | {r['requests']} | 0 |"
             assert sum(l.startswith(prefix) for l in lines) == 1, prefix
+
+
+def test_a_server_that_fails_to_load_is_reported_and_the_run_goes_on(tmp_path):
+    """A variant whose llm parameters are invalid: its server never gets ready; the run records
+    the load error (naming the parameter) for that part, runs the next part, exits 1."""
+    from triton_glue import launch
+    try:
+        launch.find_triton()
+    except launch.TritonNotFound as e:
+        pytest.skip(f"tritonserver not available: {e}")
+    cmd = [sys.executable, "-m", "bench.serve", "--smoke", "--model", str(MODEL_DIR), "--out-dir", str(tmp_path),
+           "--parts", "triton,burst", "--concurrency", "1", "--samplings", "greedy", "--workloads", "fixed",
+           "--mixed-requests", "3", "--mixed-output", "2-4", "--warmup", "1", "--perf-analyzer", str(PA),
+           "--start-timeout", "240", "--variant", "bad:gil_switch_interval_ms=fast"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+    data = json.loads((tmp_path / "serve.json").read_text())
+    (err,) = data["meta"]["part_errors"]
+    assert err["part"] == "Triton bad"
+    assert "parameter 'gil_switch_interval_ms' must be a number of ms in (0, 1000], not 'fast'" in err["error"]
+    assert sorted((r["path"], r["requests"], r["errors"]) for r in data["rows"]) == [
+        ("in-process, async handoff off", 3, 0), ("in-process, async handoff on", 3, 0)]
+    assert "FAILED: Triton bad:" in (tmp_path / "serve.md").read_text().splitlines()[0]
