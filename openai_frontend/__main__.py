@@ -50,10 +50,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg.tokenizer_path, cfg.default_max_tokens = args.tokenizer, args.default_max_tokens
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    import uvicorn
-    from transformers import AutoTokenizer
+    try:
+        import uvicorn
+        from transformers import AutoTokenizer
 
-    from .app import create_app
+        from .app import create_app
+    except ImportError as e:  # e.g. a GPU host whose venv could not install requirements-triton.txt
+        print(f"error: the OpenAI frontend cannot start: {e} (install requirements-triton.txt: "
+              "fastapi, uvicorn); tritonserver itself does not need it", file=sys.stderr)
+        return 2
 
     from triton_glue.config import check_tokenizer_folder
 

@@ -18,6 +18,8 @@ from .conftest import MODEL_DIR, ROOT, START_TIMEOUT_S, free_ports
 from .util import wait_for
 
 openai = pytest.importorskip("openai", reason="the openai package is not installed (requirements.txt)")
+pytest.importorskip("fastapi", reason="fastapi is not installed (requirements-triton.txt)")
+pytest.importorskip("uvicorn", reason="uvicorn is not installed (requirements-triton.txt)")
 
 
 def _group(pgid: int) -> list[str]:
