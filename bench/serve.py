@@ -12,7 +12,9 @@ What runs, in this order (one engine configuration for every part, `engine_param
      --variant). perf_analyzer drives it: gRPC, --streaming, closed loop (--concurrency-range c),
      its --input-data JSON holding the workload's requests (token ids, max_tokens, ignore_eos,
      the sampling's temperature/top_p), c (>= 4) warm-up requests, then max(--min-requests,
-     c * --rounds) measured ones. Timings from its --profile-export-file.
+     c * --rounds) measured ones. Timings from its --profile-export-file. Where genai-perf is
+     installed (not on the lent GPU) and the model has a tokenizer, the first server also holds
+     `ensemble` (+ pre/postprocessing) and genai-perf profiles it (--genai-points).
   2. In-process: the same closed loop on AsyncEngine with the output callback (the thread
      Triton's sender runs on), same requests, same warm-up.
   3. Steady decode, same engine: the fixed workload's batch of c requests submitted at once;
@@ -33,12 +35,14 @@ over requests. Output tok/s = tokens / (last response - first send). Errors = fa
 whose token count is not their max_tokens. GPU busy = mean nvidia-smi utilization.gpu sampled
 every 100 ms over the point (CUDA only).
 
-Output: the markdown table on stdout and serve.md, every row in serve.json (--out-dir).
+Output: the markdown table on stdout and serve.md, every row in serve.json (--out-dir), both
+rewritten after every row. A server that does not start, or a part that fails, is recorded in
+the table's header and the run goes on (exit status 1); --time-budget skips the points not
+started in time and lists them there.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import math
