@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 .PHONY: help setup model test bench bench-gpu bench-serve serve serve-docker perf genai-perf clean distclean
 
 help:
-	@echo "make serve      start tritonserver on the model repository (scripts/serve.sh)"
+	@echo "make serve      start tritonserver on the model repository + the OpenAI API on 9000 (scripts/serve.sh)"
 	@echo "make serve-docker  the same in the NGC tritonserver image (docker/Dockerfile)"
 	@echo "make test       unit + engine + server tests on CPU (gpu-marked tests skipped)"
 	@echo "make setup      create/update .venv (idempotent)"

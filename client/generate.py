@@ -19,7 +19,6 @@ import sys
 import uuid
 from typing import Iterator, Optional
 
-import numpy as np
 
 ROUTES = ("ensemble", "llm_bls", "vllm_model", "llm")
 
@@ -110,6 +109,8 @@ def _text_of(v) -> str:
 
 
 def _grpc_inputs(model: str, body: dict):
+    # imported here, like tritonclient: a python without them gets the venv hint from main()
+    import numpy as np
     import tritonclient.grpc as grpcclient
     batched = not model.startswith("vllm")  # TensorRT-LLM-style models have max_batch_size > 0
 
@@ -218,6 +219,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             sys.stdout.flush()
     except KeyboardInterrupt:
         return 130
+    except ImportError as e:
+        from triton_glue.venv_hint import venv_hint
+        print(f"\nerror: {e}{venv_hint()}", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001
         print(f"\nerror: {e}", file=sys.stderr)
         return 1

@@ -8,4 +8,5 @@ import and pass what they need in. So every piece here is unit-testable without 
 - detokenizer:  incremental, UTF-8 safe detokenization (stateful and stateless forms)
 - stops:        stop-string matching on streamed text (hold back partial matches)
 - vllm_compat:  vllm_backend's `sampling_parameters` JSON coercion
+- venv_hint:    what to run instead when a command is started outside the project's venv
 """

@@ -88,7 +88,12 @@ def find_triton() -> TritonInstall:
     raise TritonNotFound(
         "tritonserver not found: install the Triton pieces with `make setup` "
         "(pip install -r requirements-triton.txt brings nvidia-pytriton==0.7.0, which bundles "
-        "tritonserver 2.51), or set TRITONSERVER=/path/to/tritonserver")
+        "tritonserver 2.51), or set TRITONSERVER=/path/to/tritonserver" + _venv_hint())
+
+
+def _venv_hint() -> str:
+    from .venv_hint import venv_hint
+    return venv_hint()
 
 
 def prepare_backend_dir(inst: TritonInstall, dest: Optional[Path] = None) -> Path:
