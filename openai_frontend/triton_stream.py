@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
@@ -94,7 +95,7 @@ class TritonRoute:
         stream = self.client.stream_infer(one_request())
         finished = False
         try:
-            async for result, error in stream:
+            async for result, error in _unavailable_as_503(stream, self.url):
                 if error is not None:
                     finished = True
                     raise from_upstream(str(error.message() if hasattr(error, "message") else error),
@@ -113,6 +114,25 @@ class TritonRoute:
         finally:
             if not finished:
                 stream.cancel()
+
+
+async def _unavailable_as_503(stream, url: str):
+    """The stream's (result, error) pairs; a transport failure (server down, connection lost)
+    is a 503 naming the server instead of an internal error."""
+    it = stream.__aiter__()
+    while True:
+        try:
+            item = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code == grpc.StatusCode.CANCELLED:
+                raise
+            detail = e.details() if hasattr(e, "details") else str(e)
+            raise OpenAIError(503, f"tritonserver at {url} is unavailable ({code.name if code else 'error'}: "
+                                   f"{detail})") from None
+        yield item
 
 
 def _scalar(result, name: str):

@@ -144,3 +144,34 @@ def test_sampling_parameters_forwarded(served):
         client.chat.completions.create(model="vllm_model", messages=[{"role": "user", "content": "x"}],
                                        top_logprobs=2)
     assert e.value.param == "top_logprobs"
+
+
+def test_server_down_is_503(tmp_path):
+    """A frontend whose tritonserver is not there answers 503 naming it (not an internal error)."""
+    from openai_frontend.triton_stream import TritonRoute
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = FrontendConfig(host="127.0.0.1", port=port, grpc_url=f"127.0.0.1:{dead}")
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg, TemplateTokenizer(), TritonRoute(cfg.grpc_url)),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as e:
+                r = client.completions.create(model="vllm_model", prompt="hi", max_tokens=2, stream=stream)
+                list(r) if stream else None
+            assert e.value.status_code == 503, e.value
+            assert f"tritonserver at 127.0.0.1:{dead} is unavailable" in e.value.message
+    finally:
+        server.should_exit = True
+        t.join(10)
