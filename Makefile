@@ -67,7 +67,9 @@ DOCKER_GPUS  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo --gpus all
 serve-docker: model
 	DOCKER_BUILDKIT=1 docker build -f docker/Dockerfile -t $(DOCKER_IMAGE) .
 	docker run --rm -it $(DOCKER_GPUS) --shm-size=1g \
-		-p $${HTTP_PORT:-8000}:8000 -p $${GRPC_PORT:-8001}:8001 -p $${METRICS_PORT:-8002}:8002 \
+		-p $${TRITON_BIND_ADDRESS:-127.0.0.1}:$${HTTP_PORT:-8000}:8000 \
+		-p $${TRITON_BIND_ADDRESS:-127.0.0.1}:$${GRPC_PORT:-8001}:8001 \
+		-p $${TRITON_BIND_ADDRESS:-127.0.0.1}:$${METRICS_PORT:-8002}:8002 \
 		-v "$(CURDIR)/models:/opt/project/models:ro" \
 		-e MODEL_PATH -e TRITON_ACCESS_KEY -e TRITON_OPEN_RESTRICTED_APIS \
 		$(DOCKER_IMAGE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -131,14 +132,26 @@ class AsyncEngine:
             return len(self._sinks)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort everything in flight (each request still gets its final output), stop."""
+        """Abort everything in flight (each request still gets its final output), stop; within
+        `timeout` seconds in all. Callbacks only ever run on the dispatcher thread: if it is
+        stuck in one past the timeout, the requests it has not finished get no callback."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._stopping = True
         self._cmds.put(_STOP)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("engine thread did not stop within %.1f s; failing what is in flight", timeout)
+        if not self._dispatcher.is_alive():
+            self._fail_all(FinishReason.ABORT, None)
+            return
+        # Through the dispatcher, behind the outputs already queued: anything the engine never
+        # finished ends as aborted; outputs the engine emits later find no sink.
+        self._outs.put(_FailAll(FinishReason.ABORT, None))
         self._outs.put(_STOP)
-        self._dispatcher.join(timeout)
-        self._fail_all(FinishReason.ABORT, None)  # anything the engine never saw
+        self._dispatcher.join(max(0.0, deadline - time.monotonic()))
+        if self._dispatcher.is_alive():
+            logger.error("output dispatcher still busy in a callback after %.1f s", timeout)
 
     # ---- engine thread ----------------------------------------------------------------------
     def _engine_main(self) -> None:

@@ -126,7 +126,11 @@ class HostStaging:
         self._next = 0
 
     def upload(self, rows: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        host = torch.tensor(rows, dtype=dtype)
+        return self.upload_tensor(torch.tensor(rows, dtype=dtype))
+
+    def upload_tensor(self, host: torch.Tensor) -> torch.Tensor:
+        """A host (pageable) tensor -> device, through the ring; on CPU `host` itself."""
+        dtype = host.dtype
         if not self.is_cuda:
             return host
         nbytes = host.numel() * host.element_size()

@@ -131,7 +131,9 @@ def pack_step(runner: ModelRunner, sched: SchedulerOutput, eos_ids: tuple[int, .
         for r in part:
             flat.extend(r)
     flat.extend(cu)
-    payload = torch.tensor(flat, dtype=torch.int64, pin_memory=runner.pin)
+    # pageable: gloo sends it from host memory; the device copy goes through runner.staging
+    # (a pinned ring: no cudaHostAlloc per step, see HostStaging)
+    payload = torch.tensor(flat, dtype=torch.int64)
     n_samples = sum(row[3])
     header = [0] * HEADER_LEN
     header[_OP], header[_STEP], header[_S], header[_T] = OP_STEP, sched.step_id, len(row[0]), len(tok[0])
@@ -293,7 +295,7 @@ def _worker_loop(runner: ModelRunner, comm: _Comm, rank: int, world: int) -> Non
         if not last:
             sends.append((dist.isend(payload, rank + 1, group=comm.meta), payload))
         seq_lens, q_lens = _host_lens(payload, h, width)
-        payload_dev = payload.to(comm.device, non_blocking=True) if comm.device.type == "cuda" else payload
+        payload_dev = runner.staging.upload_tensor(payload)  # truly async H2D: through pinned memory
         work, hidden_in = comm.irecv((h[_T], hidden_size), runner.dtype, rank - 1)
         work.wait()
         hidden, sec = stage_forward(runner, h, payload_dev, seq_lens, q_lens, comm.to_device(hidden_in))
@@ -479,7 +481,7 @@ class PipelineExecutor:
         meta = self.comm.meta
         self._sends.append((dist.isend(hdr, 1, group=meta), hdr))
         self._sends.append((dist.isend(payload, 1, group=meta), payload))
-        payload_dev = payload.to(self.device, non_blocking=True) if self.device.type == "cuda" else payload
+        payload_dev = self.runner.staging.upload_tensor(payload)
         hidden, sec = stage_forward(self.runner, h, payload_dev, seq_lens, q_lens, None)
         self._sends.append(self.comm.isend(hidden, 1))
         handle = PipelineStepHandle(self)

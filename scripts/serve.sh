@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# make serve: tritonserver on model_repository/ in the foreground (Ctrl-C stops it).
+# make serve: tritonserver on model_repository/ in the foreground, under the supervisor of
+# triton_glue/supervisor.py (Ctrl-C stops it within TRITON_EXIT_TIMEOUT_SECS + 2 s, leaving
+# no stub process and no /dev/shm region behind; a second Ctrl-C kills at once).
 #
 #   HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002   ports (these defaults)
+#   TRITON_BIND_ADDRESS=127.0.0.1                     listen address (0.0.0.0: all interfaces)
+#   HTTP_MAX_BODY_BYTES=16777216                      larger HTTP bodies get 413 (0: no limit)
 #   MODEL_PATH=/path/to/checkpoint                    another local Llama/Qwen checkpoint
 #   TOKENIZER_PATH=/path/to/tokenizer                 its tokenizer, when it lives elsewhere
 #   LLM_PARAM_<name>=value                            an llm model parameter (README), e.g.

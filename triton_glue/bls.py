@@ -29,6 +29,7 @@ from .inputs import InputError, TextRequest
 from .stops import StopStringMatcher
 from .tokenize import encode_prompt, model_tokenizer, words_to_single_token_ids
 from .trtllm import parse_word_list, word_list_batch
+from .upstream import BoundedResponses, UpstreamGone, UpstreamWatch
 
 log = logging.getLogger("triton_glue.bls")
 CANCEL_PREFIX = "bls-"
@@ -68,15 +69,36 @@ class RouteHooks:
 class BlsRoute:
     def __init__(self, pb_utils: Any, tokenizer: Any, *, llm_model: str = "llm",
                  preprocessing_model: Optional[str] = None, max_workers: int = 256,
-                 make_response: Callable[[TextRequest, Chunk], Any], hooks: Optional[RouteHooks] = None):
+                 make_response: Callable[[TextRequest, Chunk], Any], hooks: Optional[RouteHooks] = None,
+                 route_name: str = "bls"):
         self.pb = pb_utils
         self.hooks = hooks or RouteHooks()
+        self.route_name = route_name
         self.tok = tokenizer
         self.llm_model = llm_model
         self.pre_model = preprocessing_model
         self.make_response = make_response
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="bls")
         self._closing = threading.Event()
+        # waits on llm end with an error if its stub dies (2.51 would leave them waiting forever)
+        self.upstream = UpstreamWatch(llm_model, on_death=self._upstream_died, gauge=self._alive_gauge(llm_model))
+
+    def _alive_gauge(self, llm_model: str) -> Any:
+        self._gauge_family = None
+        MF = getattr(self.pb, "MetricFamily", None)
+        if MF is None:
+            return None
+        self._gauge_family = MF(name="bls_upstream_alive", kind=MF.GAUGE,
+                                description="1 while the stub of the model a BLS route calls is alive")
+        gauge = self._gauge_family.Metric(labels={"route": self.route_name, "upstream": llm_model})
+        gauge.set(1)
+        return gauge
+
+    def _upstream_died(self, message: str) -> None:
+        log.error(message)
+        logger = getattr(self.pb, "Logger", None)
+        if logger is not None:
+            logger.log_error(f"[bls] {message}: failing the requests waiting on it")
 
     @classmethod
     def from_model_args(cls, pb_utils: Any, args: Any, *, preprocessing: bool,
@@ -90,7 +112,8 @@ class BlsRoute:
                    preprocessing_model=(params.get("preprocessing_model", "preprocessing") or None)
                    if preprocessing else None,
                    max_workers=int(params.get("max_concurrent_requests", "256")),
-                   make_response=make_response, hooks=hooks)
+                   make_response=make_response, hooks=hooks,
+                   route_name=str(args.get("model_name", "bls")))
 
     # ---- called from execute ------------------------------------------------------------
     def execute(self, requests: Any, parse: Callable[[dict, Any], TextRequest]) -> None:
@@ -114,6 +137,8 @@ class BlsRoute:
 
     def close(self) -> None:
         self._closing.set()
+        self.upstream.close()
+        self._gauge_family = None  # after its metric (the Python backend requires that order)
         self.pool.shutdown(wait=True, cancel_futures=False)
 
     # ---- worker thread --------------------------------------------------------------------
@@ -123,7 +148,7 @@ class BlsRoute:
             self._run(sender, req)
         except InputError as e:
             sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
-        except _UpstreamError as e:
+        except (_UpstreamError, UpstreamGone) as e:
             sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
         except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
             log.exception("BLS request failed")
@@ -208,7 +233,8 @@ class BlsRoute:
         ids, bad, stop_seqs = self._tokenize(req)
         n_gen = 0
         key = f"{CANCEL_PREFIX}{uuid.uuid4().hex}"
-        it = self._llm_request(req, ids, bad, stop_seqs, key).exec(decoupled=True)
+        it = BoundedResponses(self._llm_request(req, ids, bad, stop_seqs, key).exec(decoupled=True),
+                              self.upstream)
         detok = IncrementalDetokenizer(self.tok, ids, req.skip_special_tokens)
         # stop words that became token sequences are the engine's; the rest are matched on text
         stops = StopStringMatcher([] if self.pre_model else req.stop_strings, req.include_stop_str_in_output)

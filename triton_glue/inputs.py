@@ -8,6 +8,7 @@ the field); here we check presence, shape, dtype-level coercion and cross-field 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -140,3 +141,39 @@ class TextRequest:
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+
+
+# ---- request parameters -------------------------------------------------------------
+# HTTP generate turns every top-level JSON key that is not an input of the model into a
+# request parameter (and an ensemble passes its request's parameters on to its steps), so a
+# misspelt knob ("temprature") would silently do nothing. Parameters that Triton's clients and
+# frontends set or read themselves are not ours to reject.
+TRITON_REQUEST_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
+                                       "binary_data_output", "headers"})
+
+
+def request_parameters(raw: Any) -> dict[str, Any]:
+    """The request's parameters (pb_utils `request.parameters()` is a JSON object string)."""
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        params = json.loads(raw)
+    except (TypeError, ValueError):
+        return {}
+    return params if isinstance(params, dict) else {}
+
+
+def client_parameters(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters a client set for the model: Triton's own ones left out."""
+    return {k: v for k, v in params.items()
+            if k not in TRITON_REQUEST_PARAMETERS and not k.startswith("triton_")}
+
+
+def reject_unknown_parameters(raw: Any, accepted: frozenset = frozenset()) -> None:
+    """InputError naming the first request parameter the model does not read."""
+    unknown = sorted(k for k in client_parameters(request_parameters(raw)) if k not in accepted)
+    if unknown:
+        raise InputError(unknown[0], "unknown input or parameter (misspelt? GET /v2/models/<model>/config "
+                                     f"lists the inputs; unknown keys: {unknown})")

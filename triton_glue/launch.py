@@ -13,6 +13,14 @@ Environment variables read here (all of them, in one place):
     TRITONSERVER            path of a tritonserver binary to use instead of the bundled one
     TRITON_BACKEND_DIR      a backends directory to use instead of build/triton_backends
     HTTP_PORT, GRPC_PORT, METRICS_PORT   (serve only; defaults 8000, 8001, 8002)
+    TRITON_BIND_ADDRESS     address the HTTP, gRPC and metrics ports listen on (serve only;
+                            default 127.0.0.1: loopback; 0.0.0.0 exposes them, e.g. in a container)
+    HTTP_MAX_BODY_BYTES     largest HTTP request body accepted (serve only; default 16 MiB);
+                            larger ones get 413 from the HTTP front (triton_glue/http_front.py)
+                            before they reach tritonserver; 0: no front, tritonserver's own HTTP
+                            endpoint on HTTP_PORT (2.51 crashes on bodies of ~half its stack size)
+    TRITON_EXIT_TIMEOUT_SECS  --exit-timeout-secs (serve only; default 10); the supervisor kills
+                            the server's process group 3 s after it (triton_glue/supervisor.py)
     TRITON_ACCESS_KEY       value of the `triton-access-key` header that unlocks the restricted
                             APIs (model-repository, shared-memory, logging); unset: a random key
                             is generated, i.e. the APIs stay closed
@@ -146,7 +154,8 @@ class ServerOptions:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
-    address: str = "0.0.0.0"
+    address: str = "127.0.0.1"           # HTTP, gRPC and metrics
+    http_address: Optional[str] = None    # None: `address`
     model_control: str = "none"           # none | explicit (tests only)
     load_models: tuple[str, ...] = ()     # with explicit: models to load at start
     access_key: Optional[str] = None      # None: generated; "" : restricted APIs open
@@ -162,7 +171,8 @@ def server_argv(inst: TritonInstall, backend_dir: Path, opts: ServerOptions) -> 
         f"--backend-directory={backend_dir}",
         f"--http-port={opts.http_port}", f"--grpc-port={opts.grpc_port}",
         f"--metrics-port={opts.metrics_port}",
-        f"--http-address={opts.address}", f"--grpc-address={opts.address}",
+        f"--http-address={opts.http_address or opts.address}", f"--grpc-address={opts.address}",
+        f"--metrics-address={opts.address}",
         "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
         "--metrics-interval-ms=1000",
         f"--model-control-mode={opts.model_control}",
@@ -191,8 +201,10 @@ def options_from_env(args: argparse.Namespace) -> ServerOptions:
         http_port=int(args.http_port or os.environ.get("HTTP_PORT", 8000)),
         grpc_port=int(args.grpc_port or os.environ.get("GRPC_PORT", 8001)),
         metrics_port=int(args.metrics_port or os.environ.get("METRICS_PORT", 8002)),
+        address=os.environ.get("TRITON_BIND_ADDRESS", "").strip() or "127.0.0.1",
         access_key=key,
         log_verbose=int(os.environ.get("TRITON_LOG_VERBOSE", "0")),
+        exit_timeout_s=int(os.environ.get("TRITON_EXIT_TIMEOUT_SECS", "10")),
         extra_args=tuple(args.extra),
     )
 
@@ -242,18 +254,68 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"export {k}={env[k]!r}".replace("'", '"'))
         return 0
     opts = options_from_env(args)
-    cmd = server_argv(inst, backend_dir, opts)
-    env["TRITON_HTTP_PORT"] = str(opts.http_port)
+    max_body = int(os.environ.get("HTTP_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES)))
     if args.command == "argv":
-        print(" ".join(cmd))
+        print(" ".join(server_argv(inst, backend_dir, opts)))
         return 0
     if opts.access_key is None:
         print("note: model-repository, shared-memory and logging APIs are restricted; set "
               f"TRITON_ACCESS_KEY to use them (header '{ACCESS_KEY_HEADER}'), or "
               "TRITON_OPEN_RESTRICTED_APIS=1 to open them", file=sys.stderr)
+    return serve(inst, backend_dir, opts, env, max_body)
+
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
+def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict, max_body: int) -> int:
+    """tritonserver under the supervisor, behind the HTTP front when max_body > 0."""
+    from dataclasses import replace
+
+    from .supervisor import Supervisor
+
+    front = None
+    if max_body > 0:
+        from .http_front import BodyLimitProxy
+        private = _free_loopback_port()
+        front = BodyLimitProxy(opts.address, opts.http_port, private, max_body)
+        try:
+            front.start()
+        except OSError as e:
+            print(f"error: cannot listen on {opts.address}:{opts.http_port} (HTTP_PORT): {e}", file=sys.stderr)
+            return 1
+        # tritonserver's own HTTP endpoint: loopback only, reached through the front
+        opts = replace(opts, http_port=private, http_address="127.0.0.1")
+    cmd = server_argv(inst, backend_dir, opts)
+    env["TRITON_HTTP_PORT"] = str(opts.http_port)  # the llm model watches readiness there
     sys.stdout.flush()
-    os.execve(cmd[0], cmd, env)
-    return 0  # not reached
+    sup = Supervisor(cmd, env, exit_timeout_s=opts.exit_timeout_s,
+                     on_stop=front.stop if front is not None else None,
+                     server_state=lambda: _http_state(opts.http_port))
+    return sup.run()
+
+
+def _http_state(port: int) -> str:
+    """"ready", "down" (connection reset or refused) or "unknown" (not ready, slow, ...)."""
+    import http.client
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
+            return "ready" if r.status == 200 else "unknown"
+    except (ConnectionError, http.client.RemoteDisconnected):
+        return "down"
+    except urllib.error.URLError as e:
+        return "down" if isinstance(e.reason, ConnectionError) else "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _free_loopback_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

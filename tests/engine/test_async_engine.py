@@ -200,3 +200,33 @@ def test_a_failing_callback_does_not_stop_other_requests(path):
         assert sum(len(o.new_token_ids) for o in calls) == 8 and aeng.is_healthy()
     finally:
         aeng.shutdown()
+
+
+def test_shutdown_timeout_never_runs_callbacks_on_the_callers_thread(path):
+    """shutdown() that times out while the dispatcher is stuck in a callback: no callback runs
+    on the caller's thread (it would race the stuck one, and a response could follow FINAL);
+    once the dispatcher is free, each request still gets exactly one final output."""
+    aeng = AsyncEngine(EngineConfig(model_path=path, **KW))
+    release = threading.Event()
+    calls = []  # (request id, finished, thread ident)
+
+    def cb(out):
+        calls.append((out.request_id, out.finished, threading.get_ident()))
+        if out.request_id == "stuck":
+            release.wait(30)
+
+    aeng.add_request("stuck", [5, 6, 7], greedy(400, ignore_eos=True), callback=cb)
+    _wait(lambda: calls)  # the dispatcher is now blocked in the first callback
+    aeng.add_request("other", [8, 9], greedy(400, ignore_eos=True), callback=cb)
+    t0 = time.monotonic()
+    aeng.shutdown(timeout=1.0)
+    assert time.monotonic() - t0 < 5
+    caller = threading.get_ident()
+    assert all(t != caller for _, _, t in calls), calls
+    release.set()
+    _wait(lambda: sum(f for _, f, _ in calls) == 2, 10)
+    time.sleep(0.2)
+    finals = [r for r, f, _ in calls if f]
+    assert sorted(finals) == ["other", "stuck"], calls
+    assert all(t != caller for _, _, t in calls)
+    assert len({t for _, _, t in calls}) == 1  # one thread delivers everything

@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from triton_glue import launch  # noqa: E402
+from triton_glue.supervisor import child_preexec  # noqa: E402
 
 MODEL_DIR = ROOT / "models" / "tiny-llama"
 ACCESS_KEY = "test-access-key"
@@ -146,8 +147,11 @@ def start_server(tmp_dir: Path, *, model_control: str = "none", load_models: tup
     env.pop("MODEL_PATH", None) if "MODEL_PATH" not in (extra_env or {}) else None
     log_path = tmp_dir / f"tritonserver-{http}.log"
     log = open(log_path, "wb")
+    # the launcher's stack limit (2.51's HTTP frontend crashes on bodies of ~half the stack)
+    # and parent-death signal (no server outlives the test session)
     proc = subprocess.Popen(launch.server_argv(inst, backend_dir, opts), env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=child_preexec(256 << 20))
     srv = Server(proc, http, grpc, metrics, log_path, ACCESS_KEY)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -60,6 +60,13 @@ HTTP_CASES = [
     # stop words may be several tokens (TensorRT-LLM); bad words must be one token each
     ("ensemble", "multi-token bad word", {"text_input": "Hi", "max_tokens": 3,
                                           "bad_words": ["a whole sentence here"]}, "bad_words"),
+    # HTTP generate passes keys that are not inputs on as request parameters: a misspelt knob
+    ("ensemble", "unknown key", {"text_input": "Hi", "max_tokens": 3, "temprature": -5}, "temprature"),
+    ("llm_bls", "unknown key", {"text_input": "Hi", "max_tokens": 3, "temprature": -5}, "temprature"),
+    ("llm", "unknown key", {"input_ids": [1, 2], "max_tokens": 3, "temprature": -5}, "temprature"),
+    ("vllm_model", "unknown key", {"text_input": "Hi", "sampling_parameters": sp(), "temprature": -5},
+     "temprature"),
+    ("ensemble", "unknown string key", {"text_input": "Hi", "max_tokens": 3, "stop_word": "x"}, "stop_word"),
 ]
 
 

@@ -9,6 +9,7 @@ Threads (per model instance):
 Every request gets exactly one FINAL: from the dispatcher (normal end, abort, engine error),
 or from execute itself when the request is rejected before reaching the engine.
 """
+import http.client
 import itertools
 import json
 import os
@@ -29,11 +30,12 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
 from triton_glue import config as glue_config  # noqa: E402
 from triton_glue.bls import CANCEL_PREFIX  # noqa: E402
 from triton_glue.detokenizer import PREFIX_WINDOW  # noqa: E402
-from triton_glue.inputs import InputError, get_bool  # noqa: E402
+from triton_glue.inputs import InputError, get_bool, reject_unknown_parameters  # noqa: E402
 from triton_glue.trtllm import parse_token_requests  # noqa: E402
 from triton_glue.metrics import EngineMetrics  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+FINALIZE_TIMEOUT_S = 5.0  # engine stop + final outputs, well inside the launcher's exit timeout
 
 
 class _Group:
@@ -119,6 +121,10 @@ class TritonPythonModel:
         # (it drops when an unload starts) and then aborts what is in flight.
         self._seen_ready = False
         self._unloading = False
+        self._http_down = 0     # consecutive readiness polls the server's HTTP endpoint refused
+        # Set by finalize: from then on no thread of this model calls into the server (a stub
+        # whose server is gone hangs in any such call, keeps its memory and its /dev/shm region).
+        self._finalized = False
         base = glue_config.server_http_url()
         self._ready_url = f"{base}/v2/models/{self.name}/versions/{self.version}/ready" if base else None
         self._monitor = threading.Thread(target=self._monitor_main, name="llm-monitor", daemon=True)
@@ -144,7 +150,7 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 if self._unloading:
-                    raise RuntimeError("model is unloading")
+                    raise RuntimeError("model is unloading (or the server is shutting down)")
                 arrays = {t.name(): t.as_numpy() for t in request.inputs()}
                 tid = request.request_id() or ""
                 if "cancel_request_id" in arrays:
@@ -156,6 +162,7 @@ class TritonPythonModel:
                     self._cancel_key(tid)
                     sender.send(flags=FINAL)
                     continue
+                reject_unknown_parameters(request.parameters())
                 rows = parse_token_requests(arrays)
                 params = [r.sampling.to_params() for r in rows]
                 for r, p in zip(rows, params):  # every row before any reaches the engine
@@ -201,6 +208,8 @@ class TritonPythonModel:
 
     # ---- the sender: runs on the engine's dispatcher thread -----------------------------
     def _on_output(self, out):
+        if self._finalized:
+            return
         with self._lock:
             ctx = self._inflight.get(out.request_id)
             if ctx is not None and out.finished:
@@ -278,11 +287,12 @@ class TritonPythonModel:
         only_if_last: drop the response unless it is the group's last (one cancellation
         error per request, not per row)."""
         g = ctx.group
-        if not final:
-            g.sender.send(response)
-            return
+        # Under the group's lock, as is FINAL: nothing is ever sent after a request's FINAL.
         with g.lock:
             if g.closed:
+                return
+            if not final:
+                g.sender.send(response)
                 return
             g.remaining -= 1
             if g.remaining > 0:
@@ -348,6 +358,11 @@ class TritonPythonModel:
         # Over the server's own HTTP health API (TRITON_HTTP_PORT, exported by our launcher):
         # pb_utils.is_model_ready() from this thread races execute's IPC and can abort
         # tritonserver 2.51 (boost::interprocess::lock_exception).
+        # On SIGINT/SIGTERM tritonserver 2.51 first closes its HTTP endpoint to new connections
+        # (it resets them) and waits, up to its exit timeout, for open HTTP connections, and only
+        # then for in-flight requests; nothing tells a model. A reset (or refusal) from an
+        # endpoint that was serving is that shutdown: abort what is in flight so that every
+        # stream gets its FINAL and the server can exit, instead of running out its timeout.
         if self._ready_url is None:
             return
         try:
@@ -355,17 +370,36 @@ class TritonPythonModel:
                 ready = r.status == 200
         except urllib.error.HTTPError:
             ready = False
-        except Exception:  # noqa: BLE001 - server busy or going down: decide next time
+        except (ConnectionError, http.client.RemoteDisconnected) as e:
+            self._http_down += 1
+            if self._seen_ready and self._http_down >= 2:
+                self._stop_serving(f"server is shutting down (its HTTP endpoint {type(e).__name__})")
             return
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ConnectionError):
+                self._http_down += 1
+                if self._seen_ready and self._http_down >= 2:
+                    self._stop_serving(f"server is shutting down (its HTTP endpoint {type(e.reason).__name__})")
+            return
+        except Exception:  # noqa: BLE001 - server busy (timeout): decide next time
+            return
+        self._http_down = 0
         if ready:
             self._seen_ready = True
-        elif self._seen_ready and not self._unloading:
-            self._unloading = True
-            with self._lock:
-                todo = list(self._inflight.values())
-            self.logger.log_info(f"[llm] unload requested: aborting {len(todo)} in-flight request(s)")
-            for ctx in todo:  # each ends with finish_reason "abort" and FINAL
-                self.engine.abort(ctx.rid)
+        elif self._seen_ready:
+            self._stop_serving("unload requested")
+
+    def _stop_serving(self, why):
+        """Reject new requests and abort those in flight: each ends with finish_reason "abort"
+        and FINAL."""
+        if self._unloading:
+            return
+        self._unloading = True
+        with self._lock:
+            todo = list(self._inflight.values())
+        self.logger.log_info(f"[llm] {why}: aborting {len(todo)} in-flight request(s)")
+        for ctx in todo:
+            self.engine.abort(ctx.rid)
 
     def _export_stats(self):
         try:
@@ -374,14 +408,18 @@ class TritonPythonModel:
             self.logger.log_warn(f"[llm] stats export failed: {e!r}")
 
     def finalize(self):
-        # shutdown() aborts every in-flight request; each gets its final output through the
-        # dispatcher, so every stream receives FINAL and an unload never hangs.
+        # Bounded, in this order: no new requests; the monitor stops polling and exporting;
+        # shutdown() aborts every in-flight request, whose final outputs the dispatcher sends
+        # (every stream receives FINAL); anything left gets an error FINAL from here; then no
+        # thread of this model calls into the server any more (_finalized), before the stub is
+        # told to exit.
         self.logger.log_info("[llm] finalize: shutting the engine down")
+        self._unloading = True
+        self._stop.set()
+        self._monitor.join(5)
         try:
-            self.engine.shutdown()
+            self.engine.shutdown(timeout=FINALIZE_TIMEOUT_S)
         finally:
-            self._stop.set()
-            self._monitor.join(5)
             with self._lock:
                 leftover, self._inflight = list(self._inflight.values()), {}
             for ctx in leftover:  # anything the engine never answered
@@ -390,4 +428,5 @@ class TritonPythonModel:
                         error=pb_utils.TritonError("model is unloading")), True)
                 except Exception:  # noqa: BLE001
                     pass
+            self._finalized = True
             self.metrics.close()

@@ -15,7 +15,7 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
 
 from triton_glue.batch import BatchSender  # noqa: E402
 from triton_glue.bls import BlsRoute  # noqa: E402
-from triton_glue.inputs import InputError  # noqa: E402
+from triton_glue.inputs import InputError, reject_unknown_parameters  # noqa: E402
 from triton_glue.trtllm import parse_text_requests  # noqa: E402
 
 
@@ -31,6 +31,7 @@ def _response(req, chunk):
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
+
 class TritonPythonModel:
     def initialize(self, args):
         self.route = BlsRoute.from_model_args(pb_utils, args, preprocessing=True, make_response=_response)
@@ -38,6 +39,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             try:
+                reject_unknown_parameters(request.parameters())
                 rows = parse_text_requests({t.name(): t.as_numpy() for t in request.inputs()})
             except InputError as e:
                 request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),

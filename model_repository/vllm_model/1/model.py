@@ -16,6 +16,7 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
 
 from triton_glue.bls import BlsRoute  # noqa: E402
 from triton_glue.config import parameters_of  # noqa: E402
+from triton_glue.inputs import client_parameters, reject_unknown_parameters, request_parameters  # noqa: E402
 from triton_glue.vllm_compat import parse_vllm_request  # noqa: E402
 from triton_glue.vllm_metrics import VllmRouteHooks, report_custom_metrics  # noqa: E402
 
@@ -33,9 +34,10 @@ def _response(req, chunk):
 
 
 def _parse(arrays, request):
-    params = request.parameters()
-    params = params if params and params not in ("{}", "") else None
-    return parse_vllm_request(arrays, params)
+    params = client_parameters(request_parameters(request.parameters()))
+    if "sampling_parameters" in arrays:
+        reject_unknown_parameters(params)  # the knobs come in the sampling_parameters input
+    return parse_vllm_request(arrays, json.dumps(params) if params else None)
 
 
 class TritonPythonModel:

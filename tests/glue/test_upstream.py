@@ -1,0 +1,62 @@
+"""BoundedResponses: a BLS route's wait on its upstream ends with an error when the upstream
+stub process dies, instead of blocking forever (tritonserver 2.51 never answers it)."""
+import subprocess
+import threading
+import time
+
+import pytest
+
+from triton_glue.upstream import BoundedResponses, UpstreamGone, UpstreamWatch
+
+
+def test_passes_responses_through_and_ends():
+    watch = UpstreamWatch("llm")
+    assert list(BoundedResponses(iter([1, 2, 3]), watch, poll_s=0.05)) == [1, 2, 3]
+
+
+def test_reraises_the_iterators_error():
+    def boom():
+        yield 1
+        raise ValueError("upstream broke")
+    it = BoundedResponses(boom(), UpstreamWatch("llm"), poll_s=0.05)
+    assert next(it) == 1
+    with pytest.raises(ValueError, match="upstream broke"):
+        next(it)
+
+
+def test_a_dead_upstream_stub_ends_the_wait_with_an_error():
+    stub = subprocess.Popen(["sleep", "60"])          # stands in for the llm stub
+    deaths, never = [], threading.Event()
+    watch = UpstreamWatch("llm", on_death=deaths.append)
+    watch.pid = stub.pid
+
+    def stuck():                                       # an upstream that never answers again
+        yield "first"
+        never.wait()
+    it = BoundedResponses(stuck(), watch, poll_s=0.05)
+    assert next(it) == "first"
+    stub.kill()
+    stub.wait()
+    t0 = time.monotonic()
+    with pytest.raises(UpstreamGone, match=rf"model 'llm' is gone: its Python stub \(pid {stub.pid}\) died"):
+        next(it)
+    assert time.monotonic() - t0 < 2
+    assert len(deaths) == 1 and "llm" in deaths[0]
+    assert not watch.alive() and len(deaths) == 1     # reported once
+    never.set()
+
+
+def test_cancel_is_the_wrapped_iterators():
+    class It:
+        cancelled = False
+
+        def __iter__(self):
+            return iter([])
+
+        def cancel(self):
+            self.cancelled = True
+    raw = It()
+    it = BoundedResponses(raw, UpstreamWatch("llm"), poll_s=0.05)
+    it.cancel()
+    assert raw.cancelled
+    assert not hasattr(BoundedResponses(iter([]), UpstreamWatch("llm")), "cancel")

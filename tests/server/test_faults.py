@@ -1,0 +1,426 @@
+"""Faults, the way `make serve` users meet them: a signal with streams in flight on every
+route (SIGINT to tritonserver, Ctrl-C to the whole process group, SIGTERM), the `llm` stub
+killed, a start-up on a port already in use, hostile HTTP bodies.
+
+The server is started as users start it: `python -m triton_glue.launch serve` (or `make
+serve`) in a process group of its own. After each fault: every client got its end (a FINAL
+or an error response from the server, not a dropped connection) within 15 s, the server
+exited within 15 s, and no process of its group and no /dev/shm region of its stubs is left.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from . import procs
+from .conftest import ACCESS_KEY, MODEL_DIR, ROOT, START_TIMEOUT_S, free_ports
+from .util import inputs_from, wait_for
+
+ROUTES = ("ensemble", "llm_bls", "vllm_model", "llm")
+SIGNAL_BOUND_S = 15.0      # every client ends, and the server exits, within this after a signal
+STUB_DEATH_BOUND_S = 30.0  # every client waiting on a killed llm stub gets an error within this
+LONG = 1800                # tokens: far longer than any test waits (max_model_len 2048)
+
+
+# ---- the server, started like `make serve` ---------------------------------------------
+@dataclass
+class Launched:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid  # start_new_session: the launcher leads its own group
+
+    def tritonserver(self) -> Optional[procs.Proc]:
+        for p in procs.all_procs():
+            if p.argv and os.path.basename(p.argv[0]) == "tritonserver" and p.state != "Z" \
+                    and self._ours(p):
+                return p
+        return None
+
+    def _ours(self, p: procs.Proc) -> bool:
+        """p descends from the launcher (a chain of parents reaches it)."""
+        seen = 0
+        while p is not None and seen < 32:
+            if p.pid == self.proc.pid or p.pgid == self.pgid:
+                return True
+            p = procs.read_proc(p.ppid) if p.ppid > 1 else None
+            seen += 1
+        return False
+
+    def members(self) -> list[procs.Proc]:
+        """Every live process of the launcher's group and of tritonserver's group."""
+        ts = self.tritonserver()
+        groups = {self.pgid} | ({ts.pgid} if ts else set())
+        return [p for p in procs.all_procs() if p.pgid in groups and p.state != "Z"]
+
+    def log_tail(self, n: int = 80) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def cleanup(self, regions: set[str] = frozenset()) -> None:
+        """Test hygiene only (after the assertions): nothing of this server may outlive the test."""
+        for p in self.members():
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        for r in procs.shm_left(set(regions)):
+            try:
+                (procs.SHM_DIR / r).unlink()
+            except OSError:
+                pass
+
+
+def launch_server(tmp_path: Path, *, via: str = "launcher", ports: Optional[tuple] = None,
+                  extra_env: Optional[dict] = None) -> Launched:
+    if not (MODEL_DIR / "config.json").exists():
+        pytest.skip(f"no model at {MODEL_DIR}: run `make model`")
+    from triton_glue import launch
+    try:
+        launch.find_triton()
+    except launch.TritonNotFound as e:
+        pytest.skip(f"tritonserver not available: {e}")
+    http, grpc, metrics = ports or free_ports(3)
+    env = dict(os.environ, HTTP_PORT=str(http), GRPC_PORT=str(grpc), METRICS_PORT=str(metrics),
+               TRITON_ACCESS_KEY=ACCESS_KEY, **(extra_env or {}))
+    env.pop("MODEL_PATH", None)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    cmd = ["make", "--no-print-directory", "serve"] if via == "make" else \
+        [sys.executable, "-m", "triton_glue.launch", "serve"]
+    log_path = tmp_path / f"serve-{http}.log"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return Launched(proc, http, grpc, metrics, log_path)
+
+
+def wait_ready(srv: Launched) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if srv.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {srv.proc.returncode}:\n{srv.log_tail()}")
+        if all(http_status(srv.http_port, f"/v2/models/{m}/ready") == 200 for m in ROUTES):
+            return
+        time.sleep(0.5)
+    srv.cleanup()
+    raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{srv.log_tail()}")
+
+
+def http_status(port: int, path: str, timeout: float = 2) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except Exception:  # noqa: BLE001 - refused, reset, timed out
+        return -1
+
+
+# ---- clients that record how their request ended ---------------------------------------
+@dataclass
+class Outcome:
+    route: str
+    proto: str
+    tokens: int = 0                    # responses with content before the end
+    end: Optional[str] = None          # "final" | "error" (from the server) | "dropped" (transport)
+    message: str = ""
+    t_end: Optional[float] = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def finish(self, end: str, message: str = "") -> None:
+        if not self.done.is_set():
+            self.end, self.message, self.t_end = end, message, time.monotonic()
+            self.done.set()
+
+
+def grpc_body(route: str, i: int) -> tuple[dict, bool]:
+    text = f"Once upon a time {i}"
+    if route == "llm":
+        return {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int64), "max_tokens": LONG, "ignore_eos": True,
+                "stream": True, "exclude_input_in_output": True}, True
+    if route == "vllm_model":
+        return {"text_input": text, "stream": True,
+                "sampling_parameters": json.dumps({"max_tokens": LONG, "ignore_eos": True})}, False
+    # end_id replaces EOS (TensorRT-LLM): the streams run to max_tokens unless the model samples id 3
+    return {"text_input": text, "max_tokens": LONG, "end_id": 3, "stream": True}, True
+
+
+class GrpcStream:
+    """One request on its own gRPC stream."""
+
+    def __init__(self, url: str, route: str, i: int):
+        self.out = Outcome(route, "grpc")
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=self._cb)
+        body, batched = grpc_body(route, i)
+        self.client.async_stream_infer(route, inputs_from(body, batched), request_id=f"{route}-{i}",
+                                       enable_empty_final_response=True)
+
+    def _cb(self, result, error):
+        if error is not None:
+            # an error response from the server has no gRPC status; a broken stream has one
+            status = error.status() if hasattr(error, "status") else None
+            self.out.finish("dropped" if status else "error", str(error))
+            return
+        resp = result.get_response()
+        if resp.outputs:
+            self.out.tokens += 1
+        final = resp.parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            self.out.finish("final")
+
+    def close(self):
+        try:
+            self.client.stop_stream(cancel_requests=True)
+            self.client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class HttpStream:
+    """One request through HTTP generate_stream (server-sent events)."""
+
+    def __init__(self, port: int, route: str, i: int):
+        self.out = Outcome(route, "http")
+        body, _ = grpc_body(route, i)
+        body = {k: (v.reshape(-1).tolist() if isinstance(v, np.ndarray) else v) for k, v in body.items()}
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        self.thread = threading.Thread(target=self._run, args=(route, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, route, body):
+        try:
+            self.conn.request("POST", f"/v2/models/{route}/generate_stream", json.dumps(body),
+                              {"Content-Type": "application/json"})
+            r = self.conn.getresponse()
+            if r.status != 200:
+                self.out.finish("error", r.read().decode(errors="replace"))
+                return
+            last = None
+            for line in r:
+                if line.startswith(b"data:"):
+                    last = json.loads(line[5:])
+                    if "error" in last:
+                        self.out.finish("error", last["error"])
+                        return
+                    self.out.tokens += 1
+            self.out.finish("final")  # the chunked body ended cleanly: the server sent FINAL
+        except Exception as e:  # noqa: BLE001 - reset / incomplete read: the transport broke
+            self.out.finish("dropped", repr(e))
+
+    def close(self):
+        self.conn.close()
+
+
+def start_streams(srv: Launched, per_route_grpc: int = 3) -> list:
+    streams = []
+    for route in ROUTES:
+        streams += [GrpcStream(f"127.0.0.1:{srv.grpc_port}", route, i) for i in range(per_route_grpc)]
+        streams.append(HttpStream(srv.http_port, route, 100))
+    # every stream is generating before the fault
+    assert wait_for(lambda: all(s.out.tokens >= 2 or s.out.done.is_set() for s in streams), 120, 0.05), \
+        [(s.out.route, s.out.proto, s.out.tokens) for s in streams]
+    running = [s for s in streams if not s.out.done.is_set()]
+    assert len(running) >= len(streams) - 2, [(s.out.route, s.out.end, s.out.message) for s in streams]
+    return streams
+
+
+def snapshot(srv: Launched) -> tuple[list[procs.Proc], set[str]]:
+    members = srv.members()
+    stubs = [p for p in members if p.is_stub]
+    assert {p.stub_model for p in stubs} >= set(ROUTES) - {"ensemble"}, [p.argv[:2] for p in stubs]
+    return members, {p.shm_region for p in stubs}
+
+
+def assert_nothing_left(srv: Launched, members: list[procs.Proc], regions: set[str], deadline: float):
+    def alive():
+        out = []
+        for p in members:
+            now = procs.read_proc(p.pid)
+            if now is not None and now.state != "Z" and now.argv == p.argv:
+                out.append(now)
+        return out
+
+    wait_for(lambda: not alive() and not procs.shm_left(regions), max(0.0, deadline - time.monotonic()), 0.1)
+    left = alive()
+    assert not left, [(p.pid, p.ppid, p.argv[:2]) for p in left]
+    assert not procs.shm_left(regions)
+
+
+def assert_all_ended(streams: list, t0: float, bound: float):
+    for s in streams:
+        s.out.done.wait(max(0.0, t0 + bound - time.monotonic()))
+    summary = [(s.out.route, s.out.proto, s.out.end, round(s.out.t_end - t0, 1) if s.out.t_end else None,
+                s.out.message[:80]) for s in streams]
+    assert all(s.out.done.is_set() for s in streams), summary
+    assert all(s.out.t_end - t0 <= bound for s in streams), summary
+    return summary
+
+
+# ---- signals with streams in flight -----------------------------------------------------
+@pytest.mark.parametrize("how", ["sigint-tritonserver", "ctrl-c-group", "sigterm-launcher"])
+def test_signal_with_streams_in_flight(tmp_path, how):
+    srv = launch_server(tmp_path, via="make" if how == "ctrl-c-group" else "launcher")
+    regions: set[str] = set()
+    streams: list = []
+    try:
+        wait_ready(srv)
+        members, regions = snapshot(srv)
+        streams = start_streams(srv)
+        t0 = time.monotonic()
+        if how == "sigint-tritonserver":
+            os.kill(srv.tritonserver().pid, signal.SIGINT)
+        elif how == "ctrl-c-group":
+            os.killpg(srv.pgid, signal.SIGINT)
+        else:
+            os.kill(srv.proc.pid, signal.SIGTERM)
+        summary = assert_all_ended(streams, t0, SIGNAL_BOUND_S)
+        # each client heard from the server: a FINAL or an error response, not a dropped stream
+        assert all(s.out.end in ("final", "error") for s in streams), summary
+        try:
+            srv.proc.wait(max(0.1, t0 + SIGNAL_BOUND_S - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"server still running {SIGNAL_BOUND_S} s after {how}:\n{srv.log_tail()}")
+        assert_nothing_left(srv, members, regions, time.monotonic() + 5)
+    finally:
+        for s in streams:
+            s.close()
+        srv.cleanup(regions)
+
+
+# ---- the llm stub dies -------------------------------------------------------------------
+def test_llm_stub_killed_with_streams_in_flight(tmp_path):
+    """tritonserver 2.51 never answers requests waiting on a dead stub and keeps the model
+    ready. The BLS routes end theirs with an error naming the dead model (and drop a gauge);
+    the launcher logs the death and stops the server, so that the ensemble's and llm's clients
+    are not left waiting either (their streams end when the server exits)."""
+    srv = launch_server(tmp_path)
+    regions: set[str] = set()
+    streams: list = []
+    try:
+        wait_ready(srv)
+        members, regions = snapshot(srv)
+        streams = start_streams(srv)
+        llm_stub = next(p for p in members if p.stub_model == "llm")
+        t0 = time.monotonic()
+        os.kill(llm_stub.pid, signal.SIGKILL)
+        bls = [s for s in streams if s.out.route in ("llm_bls", "vllm_model")]
+        for s in bls:
+            s.out.done.wait(max(0.0, t0 + 10 - time.monotonic()))
+        assert all(s.out.end == "error" and "llm" in s.out.message and "died" in s.out.message for s in bls), \
+            [(s.out.route, s.out.proto, s.out.end, s.out.message[:100]) for s in bls]
+        gauge = metric_value(srv.metrics_port, "bls_upstream_alive")
+        assert gauge == {"llm_bls": 0.0, "vllm_model": 0.0}, gauge
+        summary = assert_all_ended(streams, t0, STUB_DEATH_BOUND_S)
+        assert all(s.out.end in ("error", "dropped") for s in streams), summary
+        srv.proc.wait(max(0.1, t0 + STUB_DEATH_BOUND_S - time.monotonic()))
+        assert srv.proc.returncode != 0
+        assert f"Python stub of model 'llm' (pid {llm_stub.pid}) died" in srv.log_tail(400)
+        assert_nothing_left(srv, members, regions, time.monotonic() + 5)
+    finally:
+        for s in streams:
+            s.close()
+        srv.cleanup(regions)
+
+
+def metric_value(port: int, name: str) -> dict:
+    """{route label: value} of a gauge on the metrics endpoint."""
+    import re
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+            out[labels.get("route", "")] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+# ---- start-up on a port already in use -----------------------------------------------------
+@pytest.mark.parametrize("busy", ["grpc", "http"])
+def test_port_in_use_leaves_no_orphan(tmp_path, busy):
+    http, grpc, metrics = free_ports(3)
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("127.0.0.1", grpc if busy == "grpc" else http))
+    blocker.listen(1)
+    srv = launch_server(tmp_path, ports=(http, grpc, metrics))
+    seen: dict[int, procs.Proc] = {}
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while srv.proc.poll() is None and time.monotonic() < deadline:
+            for p in srv.members():   # remember every stub that ever ran
+                seen[p.pid] = p
+            time.sleep(0.2)
+        assert srv.proc.poll() is not None, "server did not give up on a busy port"
+        assert srv.proc.returncode != 0
+        assert "address already in use" in srv.log_tail(200).lower() or "in use" in srv.log_tail(200).lower()
+        regions = {p.shm_region for p in seen.values() if p.is_stub}
+        assert_nothing_left(srv, list(seen.values()), regions, time.monotonic() + 10)
+    finally:
+        blocker.close()
+        srv.cleanup({p.shm_region for p in seen.values() if p.is_stub})
+
+
+# ---- hostile HTTP bodies -------------------------------------------------------------------
+def test_huge_http_bodies_get_an_error_and_the_server_stays_up(tmp_path):
+    srv = launch_server(tmp_path)
+    regions: set[str] = set()
+    try:
+        wait_ready(srv)
+        _, regions = snapshot(srv)
+        for mb in (5, 64):
+            body = b'{"text_input": "' + b"a" * (mb * 1000 * 1000) + b'", "max_tokens": 2}'
+            for path in ("/v2/models/ensemble/generate", "/v2/models/missing/infer"):
+                req = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}{path}", data=body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as r:
+                        status = r.status
+                except urllib.error.HTTPError as e:
+                    status = e.code
+                except Exception as e:  # noqa: BLE001
+                    status = repr(e)
+                assert isinstance(status, int) and 400 <= status < 500, (mb, path, status, srv.log_tail())
+                assert srv.proc.poll() is None and srv.tritonserver() is not None, srv.log_tail()
+        assert http_status(srv.http_port, "/v2/health/ready") == 200
+        status, text = post_json(srv.http_port, "/v2/models/ensemble/generate",
+                                 {"text_input": "Hello", "max_tokens": 3, "temperature": 0.0})
+        assert status == 200, text
+    finally:
+        srv.cleanup(regions)
+
+
+def post_json(port: int, path: str, body: dict, timeout: float = 60):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

@@ -1,0 +1,227 @@
+"""The public HTTP port: a small reverse proxy in front of tritonserver's HTTP endpoint that
+rejects request bodies over a limit with 413 before they reach the server.
+
+Why: tritonserver 2.51's HTTP frontend dies (Signal 11) on a request body of about half its
+thread stack size or more, on any endpoint (measured: 8 MiB stack -> between 4.0 and 4.5 MB
+crashes; 64 MiB -> 32-64 MB; 256 MiB -> 100-200 MB); 2.51 has no body-size option, and a
+compressed body is not affected (only the bytes on the wire count). The launcher raises the
+stack limit and runs this front with a limit well below the crash threshold; tritonserver's
+own HTTP endpoint listens on a private loopback port.
+
+It also checks the JSON types of HTTP generate requests: tritonserver 2.51 answers a value of
+the wrong JSON type for an input (`"max_tokens": "3"`) with a 500 that names no field
+("Unable to parse 'data': attempt to access JSON non-signed-integer as signed-integer"); the
+front answers 400 naming the key and the type the input takes (from the model's metadata).
+Keys that are not inputs are left alone: tritonserver passes them on as request parameters,
+and the models reject the ones they do not read.
+
+Everything else is passed through unchanged: method, path, query, headers (minus hop-by-hop
+ones), the body, and the response streamed chunk by chunk (generate_stream's server-sent
+events arrive as they are produced). A client that disconnects cancels its upstream request,
+which closes the upstream connection, so tritonserver sees the disconnect as before.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import time
+from typing import Any, Optional
+
+log = logging.getLogger("triton_glue.http_front")
+
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+              "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
+LIMIT_ENV = "HTTP_MAX_BODY_BYTES"
+DRAIN_S = 30.0   # how long a rejected body is read and dropped
+METADATA_TTL_S = 30.0
+GENERATE_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/generate(?:_stream)?$")
+
+
+def json_type_problem(datatype: str, value: Any) -> Optional[str]:
+    """Why `value` (a generate request's JSON value) cannot fill an input of `datatype`, or None."""
+    if datatype == "BYTES":
+        ok, kind = (lambda v: isinstance(v, str)), "a string"
+    elif datatype == "BOOL":
+        ok, kind = (lambda v: isinstance(v, bool)), "true or false"
+    elif datatype.startswith("INT") or datatype.startswith("UINT"):
+        unsigned = datatype.startswith("UINT")
+        ok = (lambda v: isinstance(v, int) and not isinstance(v, bool) and (v >= 0 or not unsigned))
+        kind = "a non-negative integer" if unsigned else "an integer"
+    elif datatype.startswith("FP") or datatype == "BF16":
+        ok, kind = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
+    else:
+        return None
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        for x in (v if isinstance(v, list) else [v]):
+            if not ok(x):
+                return f"must be {kind} or a list of them (input of type {datatype}), got {json.dumps(x)[:60]}"
+    return None
+
+
+def too_large_message(size: Optional[int], limit: int) -> str:
+    got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return (f"request body of {got} exceeds the limit of {limit} bytes ({LIMIT_ENV}); "
+            "send large inputs over gRPC")
+
+
+class BodyLimitProxy:
+    """Listens on (host, port), forwards to 127.0.0.1:upstream_port. Runs its own event loop
+    on a daemon thread: start() returns once the port is bound (or raises OSError)."""
+
+    def __init__(self, host: str, port: int, upstream_port: int, max_body_bytes: int):
+        self.host, self.port, self.upstream_port = host, port, upstream_port
+        self.max_body = int(max_body_bytes)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._runner = None
+        self._session = None
+        self._inputs: dict[tuple, tuple[float, dict[str, str]]] = {}  # (model, version) -> (t, name->type)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self, timeout: float = 30.0) -> None:
+        started = threading.Event()
+        error: list[BaseException] = []
+
+        def main():
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._start())
+            except BaseException as e:  # noqa: BLE001 - reported to start()
+                error.append(e)
+                started.set()
+                return
+            started.set()
+            loop.run_forever()
+            loop.run_until_complete(self._stop())
+            loop.close()
+
+        self._thread = threading.Thread(target=main, name="http-front", daemon=True)
+        self._thread.start()
+        if not started.wait(timeout):
+            raise TimeoutError("http front did not start")
+        if error:
+            raise error[0]
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    async def _start(self) -> None:
+        from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+        # No connection cap (streams are long), no read timeout (a stream may idle), raw bytes
+        # both ways (Content-Encoding is tritonserver's business). force_close: one upstream
+        # connection per request, closed after it: on SIGINT tritonserver 2.51 waits for every
+        # open HTTP connection (idle keep-alive ones too) before it even starts stopping.
+        self._session = ClientSession(connector=TCPConnector(limit=0, force_close=True), auto_decompress=False,
+                                      timeout=ClientTimeout(total=None, sock_connect=10))
+        # client_max_size: aiohttp's own cap on request.read(), kept in step with ours
+        app = web.Application(client_max_size=self.max_body)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        # handler_cancellation: a client disconnect cancels the handler, hence the upstream call
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await site.start()
+
+    async def _stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- one request --------------------------------------------------------------------
+    async def _handle(self, request):
+        from aiohttp import ClientError, web
+        size = request.content_length
+        if size is not None and size > self.max_body:
+            return await self._reject(request, size)
+        body = b""
+        if request.body_exists:
+            try:
+                body = await request.read()  # raises past client_max_size (chunked bodies)
+            except web.HTTPRequestEntityTooLarge:
+                return await self._reject(request, None)
+            if len(body) > self.max_body:
+                return await self._reject(request, len(body))
+        bad = await self._check_generate(request, body)
+        if bad is not None:
+            return bad
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        url = f"http://127.0.0.1:{self.upstream_port}{request.rel_url}"
+        try:
+            async with self._session.request(request.method, url, headers=headers, data=body or None,
+                                             allow_redirects=False) as up:
+                resp = web.StreamResponse(status=up.status, reason=up.reason)
+                for k, v in up.headers.items():
+                    if k.lower() not in HOP_BY_HOP:
+                        resp.headers.add(k, v)
+                if up.headers.get("Content-Length") is not None:
+                    resp.content_length = int(up.headers["Content-Length"])
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except (ClientError, ConnectionError, asyncio.TimeoutError) as e:
+            if "resp" in locals() and resp.prepared:
+                raise  # the response has started: drop the connection, the client sees it
+            return web.Response(status=502, content_type="application/json",
+                                text=json.dumps({"error": f"tritonserver HTTP endpoint unavailable: {e!r}"}))
+
+    async def _check_generate(self, request, body: bytes):
+        from aiohttp import web
+        m = GENERATE_PATH.match(request.path)
+        if request.method != "POST" or m is None or request.headers.get("Content-Encoding"):
+            return None
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return None  # tritonserver's own answer names the JSON error
+        if not isinstance(doc, dict):
+            return None
+        inputs = await self._input_types(m.group(1), m.group(2) or "")
+        for key, value in doc.items():
+            problem = json_type_problem(inputs[key], value) if key in inputs else None
+            if problem:
+                return web.Response(status=400, content_type="application/json",
+                                    text=json.dumps({"error": f"{key}: {problem}"}))
+        return None
+
+    async def _input_types(self, model: str, version: str) -> dict[str, str]:
+        """{input name: datatype} from the model's metadata (cached); {} when unavailable."""
+        key = (model, version)
+        hit = self._inputs.get(key)
+        if hit is not None and time.monotonic() - hit[0] < METADATA_TTL_S:
+            return hit[1]
+        path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
+        types: dict[str, str] = {}
+        try:
+            async with self._session.get(f"http://127.0.0.1:{self.upstream_port}{path}") as r:
+                if r.status == 200:
+                    meta = json.loads(await r.read())
+                    types = {i["name"]: i["datatype"] for i in meta.get("inputs", [])}
+        except Exception:  # noqa: BLE001 - no check then; tritonserver answers the request
+            return {}
+        if types:
+            self._inputs[key] = (time.monotonic(), types)
+        return types
+
+    async def _reject(self, request, size: Optional[int]):
+        from aiohttp import web
+        # Read (and drop) what the client is still sending, for a while, so that it reads our
+        # answer instead of a reset; Connection: close ends the exchange either way.
+        deadline = asyncio.get_running_loop().time() + DRAIN_S
+        try:
+            while not request.content.at_eof() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.wait_for(request.content.readany(), DRAIN_S)
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        return web.Response(status=413, content_type="application/json", headers={"Connection": "close"},
+                            text=json.dumps({"error": too_large_message(size, self.max_body)}))

@@ -1,0 +1,276 @@
+"""Run tritonserver so that it always ends, and ends alone: `make serve` / `launch serve`.
+
+tritonserver 2.51 facts this works around (measured):
+  - its Python stubs ignore SIGINT and SIGTERM; a stub whose server is gone hangs in any
+    stub-to-server call (metrics, is_cancelled, send) and keeps its memory and its /dev/shm
+    region: after a crash, a failed start-up (port in use) or an exit timeout, stubs stay;
+  - on SIGINT/SIGTERM it first waits, up to --exit-timeout-secs, for every HTTP connection to
+    close, then for in-flight requests; an expired timeout exits mid-request (or crashes);
+  - it neither restarts a stub that died nor answers the requests that were waiting on it, and
+    keeps reporting the model ready.
+
+So the supervisor
+  - starts tritonserver in a session of its own (Ctrl-C at the terminal reaches only us) with
+    PR_SET_PDEATHSIG (it dies with us) and a raised stack limit (see http_front.py);
+  - is a child subreaper: stubs orphaned by a dying server are reparented to us, not to init;
+  - forwards the first SIGINT/SIGTERM/SIGHUP to tritonserver, kills its whole process group
+    if it has not exited `grace_s` after its exit timeout (a second signal kills at once);
+  - watches the stubs: one that dies while the server runs makes the server unusable (see
+    above), so it is logged and the server is stopped the same bounded way (exit status 1);
+  - after tritonserver exits, kills what is left of its group, reaps the orphans and removes
+    the /dev/shm regions of every stub it saw (the region name is the stub's 2nd argument).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+STUB_NAME = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def raise_stack_limit(stack_bytes: int) -> None:
+    """Soft RLIMIT_STACK to at least stack_bytes (capped by the hard limit). Thread stacks
+    default to it (glibc), and tritonserver's HTTP crash threshold is about half of it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    if soft == resource.RLIM_INFINITY or soft >= stack_bytes:
+        return
+    want = stack_bytes if hard == resource.RLIM_INFINITY else min(stack_bytes, hard)
+    resource.setrlimit(resource.RLIMIT_STACK, (want, hard))
+
+
+def child_preexec(stack_bytes: int) -> Callable[[], None]:
+    """preexec_fn for tritonserver: bigger stacks; SIGKILL when the process that started it dies."""
+    def pre() -> None:
+        raise_stack_limit(stack_bytes)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    return pre
+
+
+@dataclass(frozen=True)
+class StubInfo:
+    pid: int
+    model: str
+    shm_region: str
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _stat(pid: int) -> Optional[tuple[str, int, int]]:
+    """(state, ppid, pgid) of a live process, None if gone."""
+    try:
+        s = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    f = s[s.rindex(")") + 2:].split()
+    return f[0], int(f[1]), int(f[2])
+
+
+def processes_of(pgid: int, also_children_of: Optional[int] = None) -> list[int]:
+    """Live members of a process group, plus (subreaper) live children of also_children_of."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        st = _stat(int(d))
+        if st is None or st[0] == "Z":
+            continue
+        if st[2] == pgid or (also_children_of is not None and st[1] == also_children_of):
+            out.append(int(d))
+    return out
+
+
+def stub_info(pid: int) -> Optional[StubInfo]:
+    argv = _argv(pid)
+    if len(argv) < 3 or os.path.basename(argv[0]) != STUB_NAME:
+        return None
+    parts = Path(argv[1]).parts  # <repository>/<model>/<version>/model.py
+    return StubInfo(pid, parts[-3] if len(parts) >= 3 else "?", argv[2])
+
+
+def log(msg: str) -> None:
+    print(f"[serve] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Supervisor:
+    argv: list[str]
+    env: dict
+    exit_timeout_s: int
+    grace_s: float = 2.0        # after the exit timeout, before the process group is killed
+    stub_grace_s: float = 1.0   # after tritonserver exited, before its leftover stubs are killed
+    poll_s: float = 0.5
+    on_stop: Optional[Callable[[], None]] = None   # e.g. close the HTTP front
+    # tritonserver's HTTP health: "ready", "down" (the endpoint resets or refuses connections:
+    # after it served, a shutdown, e.g. SIGINT sent to tritonserver itself) or "unknown"
+    server_state: Callable[[], str] = lambda: "unknown"
+    _was_ready: bool = False
+    _serving: Optional[set] = None   # pids of the instance stubs, taken when the server got ready
+    stack_bytes: int = 256 << 20
+    stubs: dict[int, StubInfo] = field(default_factory=dict)
+    child: Optional[subprocess.Popen] = None
+    _kill_at: Optional[float] = None
+    _stop_reason: Optional[str] = None
+    _stub_died: Optional[StubInfo] = None
+
+    def run(self) -> int:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        for s in FORWARDED:
+            signal.signal(s, self._on_signal)
+        self.child = subprocess.Popen(self.argv, env=self.env, preexec_fn=child_preexec(self.stack_bytes),
+                                      start_new_session=True)
+        rc = None
+        try:
+            while rc is None:
+                try:
+                    rc = self.child.wait(self.poll_s)
+                except subprocess.TimeoutExpired:
+                    state = self.server_state() if self._stop_reason is None else "stopping"
+                    self._watch_server(state)
+                    self._watch_stubs(state)
+                    if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                        log(f"tritonserver did not exit within {self.exit_timeout_s + self.grace_s:.0f} s "
+                            f"of {self._stop_reason}: killing its process group")
+                        self._killpg(signal.SIGKILL)
+                        self._kill_at = None
+        finally:
+            self._watch_stubs("exited")
+            if self.on_stop is not None:
+                self.on_stop()
+            self._cleanup()
+        if self._stub_died is not None:
+            return 1
+        return rc if rc >= 0 else 128 - rc
+
+    # ---- stopping -----------------------------------------------------------------------
+    def _on_signal(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self._stop_reason is None:
+            self.stop(name)
+        else:
+            log(f"{name} again: killing tritonserver's process group now")
+            self._killpg(signal.SIGKILL)
+
+    def stop(self, reason: str) -> None:
+        """Ask tritonserver to exit (SIGINT); kill its group if it is still there after the
+        exit timeout plus grace."""
+        if self._stop_reason is not None or self.child is None:
+            return
+        self._stop_reason = reason
+        log(f"{reason}: stopping tritonserver (exit timeout {self.exit_timeout_s} s)")
+        self._kill_at = time.monotonic() + self.exit_timeout_s + self.grace_s
+        try:
+            self.child.send_signal(signal.SIGINT)
+        except ProcessLookupError:
+            pass
+
+    def _killpg(self, sig: int) -> None:
+        try:
+            os.killpg(self.child.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _watch_server(self, state: str) -> None:
+        """A shutdown we were not told about still ends within the same bound."""
+        if self._stop_reason is not None:
+            return
+        if state == "ready":
+            self._was_ready = True
+        elif state == "down" and self._was_ready:
+            self._stop_reason = "tritonserver shutting down"
+            self._kill_at = time.monotonic() + self.exit_timeout_s + self.grace_s
+            log("tritonserver is shutting down (its HTTP endpoint closed)")
+
+    # ---- stubs --------------------------------------------------------------------------
+    def _watch_stubs(self, state: str) -> None:
+        """Remember every stub (for its /dev/shm region). The stubs alive when the server first
+        reports ready serve its model instances (auto-complete stubs are gone by then): one of
+        them gone while the server still reports ready has died, and stops the server."""
+        if self.child is None:
+            return
+        live = set()
+        for pid in processes_of(self.child.pid, also_children_of=os.getpid()):
+            live.add(pid)
+            if pid not in self.stubs:
+                info = stub_info(pid)
+                if info is not None:
+                    self.stubs[pid] = info
+        live &= set(self.stubs)
+        if state != "ready" or self._stop_reason is not None or self.child.poll() is not None:
+            return
+        if self._serving is None:
+            self._serving = live
+            return
+        gone = sorted(self._serving - live)
+        if gone and self._stub_died is None and self.server_state() == "ready":
+            info = self.stubs[gone[0]]
+            self._stub_died = info
+            log(f"error: the Python stub of model '{info.model}' (pid {info.pid}) died; tritonserver 2.51 "
+                "neither restarts it nor answers the requests waiting on it")
+            self.stop(f"stub of '{info.model}' died")
+
+    def _cleanup(self) -> None:
+        """After tritonserver exited: its stubs get a moment to exit on their own (they notice
+        their parent is gone within ~0.3 s unless stuck in a call to it), then SIGKILL; reap;
+        remove the /dev/shm regions left behind."""
+        deadline = time.monotonic() + self.stub_grace_s
+        left = processes_of(self.child.pid, also_children_of=os.getpid())
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            self._reap()
+            left = processes_of(self.child.pid, also_children_of=os.getpid())
+        for pid in left:
+            info = self.stubs.get(pid) or stub_info(pid)
+            what = f"stub of '{info.model}'" if info else " ".join(_argv(pid)[:2])
+            log(f"killing leftover process {pid} ({what})")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + 5
+        while processes_of(self.child.pid, also_children_of=os.getpid()) and time.monotonic() < end:
+            self._reap()
+            time.sleep(0.05)
+        self._reap()
+        for info in self.stubs.values():
+            region = SHM_DIR / info.shm_region
+            if region.exists():
+                try:
+                    region.unlink()
+                    log(f"removed {region} (stub of '{info.model}')")
+                except OSError as e:
+                    log(f"could not remove {region}: {e}")
+
+    @staticmethod
+    def _reap() -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
