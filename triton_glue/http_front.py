@@ -80,6 +80,8 @@ class BodyLimitProxy:
         self._runner = None
         self._session = None
         self._inputs: dict[tuple, tuple[float, dict[str, str]]] = {}  # (model, version) -> (t, name->type)
+        self._active: set = set()   # tasks of the requests being proxied
+        self._fail_message: Optional[str] = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> None:
@@ -107,6 +109,19 @@ class BodyLimitProxy:
             raise TimeoutError("http front did not start")
         if error:
             raise error[0]
+
+    def fail_inflight(self, message: str) -> None:
+        """From any thread: end every proxied request now with `message` as its error (an
+        error event on an event stream, 503 before the response started), and answer new
+        ones so. For requests tritonserver will never answer (their model's stub died): it
+        would end their streams cleanly, truncated, when it exits."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_all, message)
+
+    def _fail_all(self, message: str) -> None:
+        self._fail_message = message
+        for task in list(self._active):
+            task.cancel()
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
@@ -138,6 +153,34 @@ class BodyLimitProxy:
 
     # ---- one request --------------------------------------------------------------------
     async def _handle(self, request):
+        from aiohttp import web
+        if self._fail_message is not None:
+            return self._unavailable()
+        task = asyncio.current_task()
+        self._active.add(task)
+        state: dict = {}
+        try:
+            return await self._proxy(request, state)
+        except asyncio.CancelledError:
+            if self._fail_message is None:
+                raise  # the client went away (handler cancellation)
+            resp = state.get("resp")
+            if resp is None or not resp.prepared:
+                return self._unavailable()
+            if resp.content_type != "text/event-stream":
+                raise ConnectionResetError(self._fail_message) from None
+            await resp.write(f"data: {json.dumps({'error': self._fail_message})}\n\n".encode())
+            await resp.write_eof()
+            return resp
+        finally:
+            self._active.discard(task)
+
+    def _unavailable(self):
+        from aiohttp import web
+        return web.Response(status=503, content_type="application/json",
+                            text=json.dumps({"error": self._fail_message}))
+
+    async def _proxy(self, request, state: dict):
         from aiohttp import ClientError, web
         size = request.content_length
         if size is not None and size > self.max_body:
@@ -158,7 +201,7 @@ class BodyLimitProxy:
         try:
             async with self._session.request(request.method, url, headers=headers, data=body or None,
                                              allow_redirects=False) as up:
-                resp = web.StreamResponse(status=up.status, reason=up.reason)
+                resp = state["resp"] = web.StreamResponse(status=up.status, reason=up.reason)
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_BY_HOP:
                         resp.headers.add(k, v)
@@ -170,7 +213,7 @@ class BodyLimitProxy:
                 await resp.write_eof()
                 return resp
         except (ClientError, ConnectionError, asyncio.TimeoutError) as e:
-            if "resp" in locals() and resp.prepared:
+            if "resp" in state and state["resp"].prepared:
                 raise  # the response has started: drop the connection, the client sees it
             return web.Response(status=502, content_type="application/json",
                                 text=json.dumps({"error": f"tritonserver HTTP endpoint unavailable: {e!r}"}))

@@ -291,6 +291,7 @@ def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict
     sys.stdout.flush()
     sup = Supervisor(cmd, env, exit_timeout_s=opts.exit_timeout_s,
                      on_stop=front.stop if front is not None else None,
+                     on_stub_death=front.fail_inflight if front is not None else None,
                      server_state=lambda: _http_state(opts.http_port))
     return sup.run()
 

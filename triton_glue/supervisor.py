@@ -125,6 +125,7 @@ class Supervisor:
     stub_grace_s: float = 1.0   # after tritonserver exited, before its leftover stubs are killed
     poll_s: float = 0.5
     on_stop: Optional[Callable[[], None]] = None   # e.g. close the HTTP front
+    on_stub_death: Optional[Callable[[str], None]] = None  # e.g. end the HTTP front's streams
     # tritonserver's HTTP health: "ready", "down" (the endpoint resets or refuses connections:
     # after it served, a shutdown, e.g. SIGINT sent to tritonserver itself) or "unknown"
     server_state: Callable[[], str] = lambda: "unknown"
@@ -229,8 +230,11 @@ class Supervisor:
         if gone and self._stub_died is None and self.server_state() == "ready":
             info = self.stubs[gone[0]]
             self._stub_died = info
-            log(f"error: the Python stub of model '{info.model}' (pid {info.pid}) died; tritonserver 2.51 "
-                "neither restarts it nor answers the requests waiting on it")
+            message = (f"the Python stub of model '{info.model}' (pid {info.pid}) died; tritonserver 2.51 "
+                       "neither restarts it nor answers the requests waiting on it")
+            log(f"error: {message}")
+            if self.on_stub_death is not None:
+                self.on_stub_death(f"{message}: the server is stopping")
             self.stop(f"stub of '{info.model}' died")
 
     def _cleanup(self) -> None:

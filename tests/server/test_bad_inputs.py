@@ -3,6 +3,7 @@ returns); the model stays READY and the next valid request succeeds."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -112,3 +113,19 @@ def test_wrong_dtype_and_shape(server, route):
         assert c.finals == 1 and len(c.errors) == 1, c.errors
         assert needle in c.errors[0], c.errors[0]
     assert_ready_and_serving(server, route)
+
+
+def test_5mb_http_body_does_not_kill_the_server(server):
+    """tritonserver 2.51's HTTP frontend died (Signal 11) on this body with the default 8 MiB
+    stack; the launcher (and this fixture) raise the stack limit."""
+    body = b'{"max_tokens": 2, "input_ids": [' + b"1," * 2_499_999 + b"1]}"
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=120)
+        status, text = 200, ""
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    assert status == 400 and "max_model_len" in text, (status, text[:300])
+    assert server.proc.poll() is None
+    assert_ready_and_serving(server, "llm")
