@@ -106,9 +106,10 @@ def launch_server(tmp_path: Path, *, via: str = "launcher", ports: Optional[tupl
         launch.find_triton()
     except launch.TritonNotFound as e:
         pytest.skip(f"tritonserver not available: {e}")
-    http, grpc, metrics = ports or free_ports(3)
+    http, grpc, metrics, openai = (ports or tuple(free_ports(3))) + tuple(free_ports(1))
+    # OPENAI_PORT: `make serve` also starts the OpenAI frontend, in the same process group
     env = dict(os.environ, HTTP_PORT=str(http), GRPC_PORT=str(grpc), METRICS_PORT=str(metrics),
-               TRITON_ACCESS_KEY=ACCESS_KEY, **(extra_env or {}))
+               OPENAI_PORT=str(openai), TRITON_ACCESS_KEY=ACCESS_KEY, **(extra_env or {}))
     env.pop("MODEL_PATH", None)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     cmd = ["make", "--no-print-directory", "serve"] if via == "make" else \
