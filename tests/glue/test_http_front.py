@@ -1,0 +1,127 @@
+"""triton_glue.http_front against a stand-in upstream (aiohttp): bodies over the limit get 413
+(with Content-Length or chunked), smaller ones pass unchanged, event streams pass chunk by
+chunk, generate values of the wrong JSON type get 400 naming the key, and fail_inflight ends
+a live event stream with an error event."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+web = pytest.importorskip("aiohttp.web")
+
+from triton_glue.http_front import BodyLimitProxy  # noqa: E402
+
+LIMIT = 1000
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def front():
+    up_port, front_port = _port(), _port()
+    release = threading.Event()
+
+    async def echo(request):
+        body = await request.read()
+        return web.json_response({"bytes": len(body), "path": request.path_qs})
+
+    async def metadata(request):
+        return web.json_response({"inputs": [{"name": "max_tokens", "datatype": "INT32", "shape": [1]},
+                                             {"name": "text_input", "datatype": "BYTES", "shape": [1]}]})
+
+    async def stream(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(3):
+            await resp.write(f"data: {{\"i\": {i}}}\n\n".encode())
+            await asyncio.sleep(0.05)
+        while not release.is_set():   # then hangs, like a request on a dead stub
+            await asyncio.sleep(0.05)
+        try:
+            await resp.write_eof()
+        except ConnectionError:       # the front dropped this upstream request: expected
+            pass
+        return resp
+
+    def serve_upstream(started):
+        loop = asyncio.new_event_loop()
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/echo", echo)
+        app.router.add_get("/v2/models/m", metadata)
+        app.router.add_post("/v2/models/m/generate", echo)
+        app.router.add_post("/v2/models/m/generate_stream", stream)
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", up_port).start())
+        started.set()
+        loop.run_forever()
+
+    started = threading.Event()
+    threading.Thread(target=serve_upstream, args=(started,), daemon=True).start()
+    assert started.wait(10)
+    proxy = BodyLimitProxy("127.0.0.1", front_port, up_port, LIMIT)
+    proxy.start()
+    yield proxy, front_port, release
+    release.set()
+    proxy.stop()
+
+
+def request(port, method, path, body=None, headers=None, chunked=False):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request(method, path, body=body, headers=headers or {}, encode_chunked=chunked)
+    r = c.getresponse()
+    return r.status, r.read().decode()
+
+
+def test_bodies_over_the_limit_get_413(front):
+    _, port, _ = front
+    status, text = request(port, "POST", "/echo", b"x" * (LIMIT + 1))
+    assert status == 413 and f"{LIMIT + 1} bytes exceeds the limit of {LIMIT} bytes" in text
+    status, text = request(port, "POST", "/echo", iter([b"x" * 600, b"x" * 600]), chunked=True)
+    assert status == 413 and "HTTP_MAX_BODY_BYTES" in text
+
+
+def test_bodies_within_the_limit_pass_unchanged(front):
+    _, port, _ = front
+    status, text = request(port, "POST", "/echo?a=1", b"y" * LIMIT)
+    assert status == 200 and json.loads(text) == {"bytes": LIMIT, "path": "/echo?a=1"}
+
+
+def test_generate_values_of_the_wrong_json_type_get_400_naming_the_key(front):
+    _, port, _ = front
+    status, text = request(port, "POST", "/v2/models/m/generate", json.dumps({"text_input": "a", "max_tokens": "3"}))
+    assert status == 400 and json.loads(text)["error"].startswith("max_tokens: must be an integer"), text
+    status, text = request(port, "POST", "/v2/models/m/generate", json.dumps({"text_input": 5, "max_tokens": 3}))
+    assert status == 400 and json.loads(text)["error"].startswith("text_input: must be a string"), text
+    # keys that are not inputs are the model's business (request parameters)
+    status, _ = request(port, "POST", "/v2/models/m/generate", json.dumps({"text_input": "a", "temprature": "x"}))
+    assert status == 200
+
+
+def test_event_streams_pass_and_fail_inflight_ends_them_with_an_error(front):
+    proxy, port, _ = front
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", "/v2/models/m/generate_stream", body=b"{}")
+    r = c.getresponse()
+    assert r.status == 200
+    events = []
+    for line in r:
+        if line.startswith(b"data:"):
+            events.append(json.loads(line[5:]))
+            if len(events) == 3:
+                proxy.fail_inflight("the Python stub of model 'llm' died")
+    assert events[:3] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert events[3:] == [{"error": "the Python stub of model 'llm' died"}]
+    status, text = request(port, "GET", "/v2/models/m")
+    assert status == 503 and "died" in text

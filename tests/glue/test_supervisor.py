@@ -1,0 +1,114 @@
+"""triton_glue.supervisor without tritonserver: a stand-in server that leaves behind a
+stand-in Python stub (named triton_python_backend_stub, ignoring SIGINT/SIGTERM like 2.51's,
+holding a /dev/shm region named by its 2nd argument). The supervisor forwards the signal,
+kills what outlives the server, reaps it and removes the region."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STUB = textwrap.dedent("""
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open("/dev/shm/" + sys.argv[1], "wb").write(b"x" * 4096)
+    time.sleep(600)
+""")
+
+SERVER = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    stub, model_py, region, mode = sys.argv[1:5]
+    subprocess.Popen([stub, model_py, region, "0", "0", str(os.getpid()), "lib", "0", "llm_0_0", "DEFAULT"])
+    if mode == "exit-on-int":      # a server that exits on SIGINT, orphaning its stub
+        signal.signal(signal.SIGINT, lambda *a: os._exit(0))
+    elif mode == "hang":           # a server whose exit hangs
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    elif mode == "crash":          # a server that dies on its own
+        time.sleep(1.0)
+        os._exit(11)
+    time.sleep(600)
+""")
+
+
+def _setup(tmp_path: Path):
+    stub = tmp_path / "triton_python_backend_stub"
+    stub.symlink_to(os.path.realpath(sys.executable))
+    model_py = tmp_path / "repo" / "llm" / "1" / "model.py"
+    model_py.parent.mkdir(parents=True)
+    model_py.write_text(STUB)
+    server = tmp_path / "server.py"
+    server.write_text(SERVER)
+    return stub, model_py, server
+
+
+def _run_supervised(tmp_path: Path, mode: str, exit_timeout_s: int = 1):
+    stub, model_py, server = _setup(tmp_path)
+    region = f"test_supervisor_{uuid.uuid4().hex}"
+    code = ("import sys; from triton_glue.supervisor import Supervisor; "
+            f"sys.exit(Supervisor({[sys.executable, str(server), str(stub), str(model_py), region, mode]!r}, "
+            f"dict(__import__('os').environ), exit_timeout_s={exit_timeout_s}, grace_s=0.5, poll_s=0.1).run())")
+    sup = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    shm = Path("/dev/shm") / region
+    deadline = time.monotonic() + 30
+    while not shm.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shm.exists(), "the stand-in stub did not start"
+    time.sleep(0.3)  # the supervisor has seen the stub
+    return sup, shm, stub
+
+
+def _stub_pids(stub: Path) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            argv0 = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except (OSError, IndexError):
+            continue
+        if argv0 == str(stub):
+            out.append(int(d))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["exit-on-int", "hang"])
+def test_sigint_leaves_no_stub_and_no_shm_region(tmp_path, mode):
+    sup, shm, stub = _run_supervised(tmp_path, mode)
+    try:
+        t0 = time.monotonic()
+        sup.send_signal(signal.SIGINT)
+        out, _ = sup.communicate(timeout=15)
+        # a hanging server is killed exit_timeout (1 s) + grace (0.5 s) after the signal
+        assert time.monotonic() - t0 < 6, out
+        assert not _stub_pids(stub), out
+        assert not shm.exists(), out
+        assert f"removed {shm}" in out, out
+        if mode == "exit-on-int":   # the orphaned stub, reparented to the supervisor, killed
+            assert "killing leftover process" in out and "(stub of 'llm')" in out, out
+        else:                       # the server's whole process group, stub included
+            assert "killing its process group" in out, out
+    finally:
+        for pid in _stub_pids(stub):
+            os.kill(pid, signal.SIGKILL)
+        shm.unlink(missing_ok=True)
+
+
+def test_a_crashed_server_leaves_no_stub_and_no_shm_region(tmp_path):
+    sup, shm, stub = _run_supervised(tmp_path, "crash")
+    try:
+        out, _ = sup.communicate(timeout=15)
+        assert sup.returncode == 11, out
+        assert not _stub_pids(stub) and not shm.exists(), out
+    finally:
+        for pid in _stub_pids(stub):
+            os.kill(pid, signal.SIGKILL)
+        shm.unlink(missing_ok=True)
