@@ -3,11 +3,13 @@
 One module serves the three families; they differ only in flags read from the HF config:
 attention bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling.
 A model may hold a contiguous range of layers (pipeline stages): the first stage owns the
-embedding, the last the final norm and lm_head.
+embedding, the last the final norm and lm_head. The last stage's forward ends with the final
+norm (as HF's last_hidden_state does); compute_logits is the LM head of the rows that sample.
 
 On CUDA (with Triton) the layers run a residual stream with fused kernels (layers/fused_ops.py):
-one kernel each for add+RMSNorm, rotary+KV write (+ Qwen3 q/k norm) and silu*mul. Elsewhere
-(CPU), or with ``DecoderModel.use_fused_ops = False``, the plain torch code below runs.
+one kernel each for add+RMSNorm (the last one with the final norm), rotary+KV write (+ Qwen3
+q/k norm) and silu*mul. Elsewhere (CPU), or with ``DecoderModel.use_fused_ops = False``, the
+plain torch code below runs.
 """
 from __future__ import annotations
 
@@ -190,10 +192,15 @@ class DecoderModel(nn.Module):
             residual = None
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer.forward_fused(x, residual, positions, self.rotary, kv, meta)
-            return x if residual is None else x + residual
+            if not self.is_last:
+                return x if residual is None else x + residual
+            # The stream's last add fused with the final norm: one kernel.
+            if residual is None:
+                return fused_ops.rms_norm(x, self.norm.weight, self.norm.eps)
+            return fused_ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv, meta)
-        return x
+        return self.norm(x) if self.is_last else x
 
     def projections(self) -> list[Projection]:
         return [m for m in self.modules() if isinstance(m, Projection)]
@@ -207,6 +214,5 @@ class DecoderModel(nn.Module):
         return self.use_fused_ops and fused_ops.available(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._fused(hidden):
-            return self.lm_head(fused_ops.rms_norm(hidden, self.norm.weight, self.norm.eps)).float()
-        return self.lm_head(self.norm(hidden)).float()
+        """hidden: rows of the last stage's output (already through the final norm)."""
+        return self.lm_head(hidden).float()
