@@ -33,6 +33,9 @@ NAMES = {
     "pc_queried": "llm_prefix_cache_queried_tokens_total",
     "pc_hit": "llm_prefix_cache_hit_tokens_total",
     "kv_cached": "llm_kv_blocks_cached",
+    # vLLM v1's names of the same two counters (tokens), for dashboards written for vLLM.
+    "vllm_pc_queried": "vllm:prefix_cache_queries",
+    "vllm_pc_hit": "vllm:prefix_cache_hits",
     "idle": "llm_gpu_idle_gap_seconds",
 }
 
@@ -96,11 +99,16 @@ class EngineMetrics:
                                                                "(at each admission, recomputation included)"))
         self.pc_hit = metric(fam("pc_hit", MF.COUNTER, "Of the queried tokens, those whose KV came from the "
                                                        "prefix cache (not computed)"))
+        self.vllm_pc_queried = metric(fam("vllm_pc_queried", MF.COUNTER, "Prefix cache queries, in terms of "
+                                                                         "number of queried tokens."))
+        self.vllm_pc_hit = metric(fam("vllm_pc_hit", MF.COUNTER, "Prefix cache hits, in terms of number of "
+                                                                 "cached tokens."))
         self.kv_cached = metric(fam("kv_cached", MF.GAUGE, "KV-cache blocks holding reusable prefix KV "
                                                            "(held or evictable)"))
         self.idle_gap = metric(fam("idle", MF.HISTOGRAM, "GPU idle gap between consecutive decode steps (s)"),
                                buckets=IDLE_GAP_BUCKETS)
         self._last = {"async": 0, "sync": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0}
+        self._vllm_alias = {"pc_queried": self.vllm_pc_queried, "pc_hit": self.vllm_pc_hit}
 
     def request_finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
         self.prompt_tokens.increment(num_prompt)
@@ -125,6 +133,8 @@ class EngineMetrics:
             delta = int(total) - self._last[key]
             if delta > 0:
                 m.increment(delta)
+                if key in self._vllm_alias:
+                    self._vllm_alias[key].increment(delta)
                 self._last[key] = int(total)
         for gap_us in st.gpu_idle_gap_us or ():
             self.idle_gap.observe(gap_us * 1e-6)

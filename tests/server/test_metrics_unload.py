@@ -57,16 +57,18 @@ def test_prefix_cache_metrics(server):
     """The second request with the same 40-token prompt takes its 2 full blocks of 16 from
     the prefix cache (the last token is always computed), and answers the same."""
     assert wait_for(server.idle, 15)
-    names = ["llm_prefix_cache_queried_tokens_total", "llm_prefix_cache_hit_tokens_total"]
+    names = ["llm_prefix_cache_queried_tokens_total", "llm_prefix_cache_hit_tokens_total",
+             "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"]
     prompt = [[600 + (i * 37) % 150 for i in range(40)]]   # used by no other test
     sc = StreamClient(server.grpc_url)
     outs, deltas = [], []
     try:
         for i in range(2):
             before = {n: server.metric(n) for n in names}
-            c = sc.send("llm", {"input_ids": np.array(prompt, dtype=np.int64), "max_tokens": 4, "ignore_eos": True,
+            c = sc.send("llm", {"input_ids": np.array(prompt, dtype=np.int32), "max_tokens": 4, "ignore_eos": True,
                                 "temperature": 0.0, "stream": True, "exclude_input_in_output": True}, f"pc{i}")
             assert c.done.wait(60)
+            assert not c.errors, c.errors
             outs.append(sum(c.ids(), []))
             assert wait_for(server.idle, 10)
             time.sleep(0.5)  # one stats export after the last step
@@ -74,7 +76,7 @@ def test_prefix_cache_metrics(server):
     finally:
         sc.close()
     assert len(outs[0]) == 4 and outs[0] == outs[1]
-    assert deltas == [{names[0]: 40, names[1]: 0}, {names[0]: 40, names[1]: 32}]
+    assert deltas == [dict(zip(names, (40, 0, 40, 0))), dict(zip(names, (40, 32, 40, 32)))]
     assert server.metric("llm_kv_blocks_cached") >= 2
 
 
