@@ -8,8 +8,26 @@ Per request, on a worker thread (execute only parses and submits):
      never sent) -> responses (streamed, or one at the end).
 When a stop string hits, or the client cancels, the upstream llm request is cancelled (the
 response iterator's cancel() where the Triton release has it; on 24.10 a control request to
-`llm` carrying `cancel_request_id`) and the remaining upstream responses are drained.
-Every request gets exactly one FINAL.
+`llm` carrying `cancel_request_id`) and the remaining upstream responses are read out: `llm`
+ends a cancelled request promptly with a final response (finish_reason "abort").
+Every request gets exactly one FINAL; `bls_inflight_requests{route}` counts the requests whose
+worker has not finished (0 when idle: anything else is a leaked worker).
+
+What keeps tritonserver 2.51 (python_backend r24.10) alive:
+- `llm` never sends an error response to a BLS route (request id starting with CANCEL_PREFIX):
+  r24.10 does not copy the response-iterator id into an error response
+  (InferResponse::SaveToSharedMemory sets `id` only without an error; fixed upstream in
+  python_backend #398, r25.04). The stub then files the error under a stale id: the route's
+  iterator never ends (its worker blocks for good), and another live stream may receive that
+  FINAL, whose cleanup then frees an InferPayload `llm` is still sending to: the SIGSEGV under
+  TRITONBACKEND_ResponseSend after 20-150 stop strings or cancels. So `llm` reports errors to
+  BLS routes in-band (finish_reason "error" + `error_message`) and aborts as finish_reason
+  "abort"; errors here are only ever sent to the client.
+- A response sender is never used after its FINAL (_Sender): r24.10 deletes the response
+  factory with FINAL, and is_cancelled() would ask the server about that freed factory.
+- A silent upstream ends the wait after `upstream_timeout_s` with an error naming it
+  (upstream.BoundedResponses); the iterator cannot be interrupted on 24.10 (no cancel(), no
+  timeout), so its helper thread stays until `llm` answers.
 
 pb_utils is passed in; nothing here imports it.
 """
@@ -29,10 +47,14 @@ from .inputs import InputError, TextRequest
 from .stops import StopStringMatcher
 from .tokenize import encode_prompt, model_tokenizer, words_to_single_token_ids
 from .trtllm import parse_word_list, word_list_batch
-from .upstream import BoundedResponses, UpstreamGone, UpstreamWatch
+from .upstream import BoundedResponses, UpstreamGone, UpstreamSilent, UpstreamWatch
 
 log = logging.getLogger("triton_glue.bls")
+# Triton request ids of the BLS routes' requests to `llm`: `llm` answers them in-band (no error
+# responses) and aborts one on a control request carrying its id in `cancel_request_id`.
 CANCEL_PREFIX = "bls-"
+UPSTREAM_OUTPUTS = ["output_ids", "finish_reason", "error_message"]
+DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -43,6 +65,29 @@ class Chunk:
     finish_reason: Optional[str]
     num_input_tokens: int
     final: bool
+
+
+class _Sender:
+    """A request's response sender that is never used after its FINAL (sends are dropped then
+    and is_cancelled() answers True without asking the server)."""
+
+    def __init__(self, sender: Any, final_flag: int):
+        self._sender = sender
+        self._final_flag = final_flag
+        self.closed = False
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        if self.closed:
+            return
+        if flags == self._final_flag:
+            self.closed = True
+            sender, self._sender = self._sender, None
+            sender.send(response, flags=flags)
+        else:
+            self._sender.send(response)
+
+    def is_cancelled(self) -> bool:
+        return self.closed or self._sender.is_cancelled()
 
 
 class RequestHooks:
@@ -70,7 +115,7 @@ class BlsRoute:
     def __init__(self, pb_utils: Any, tokenizer: Any, *, llm_model: str = "llm",
                  preprocessing_model: Optional[str] = None, max_workers: int = 256,
                  make_response: Callable[[TextRequest, Chunk], Any], hooks: Optional[RouteHooks] = None,
-                 route_name: str = "bls"):
+                 route_name: str = "bls", upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S):
         self.pb = pb_utils
         self.hooks = hooks or RouteHooks()
         self.route_name = route_name
@@ -78,10 +123,40 @@ class BlsRoute:
         self.llm_model = llm_model
         self.pre_model = preprocessing_model
         self.make_response = make_response
+        self.upstream_timeout_s = float(upstream_timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="bls")
         self._closing = threading.Event()
+        self._inflight_lock = threading.Lock()
+        self._inflight = 0
+        self._inflight_gauge = self._route_gauge("bls_inflight_requests",
+                                                 "BLS requests whose worker has not finished", 0)
         # waits on llm end with an error if its stub dies (2.51 would leave them waiting forever)
         self.upstream = UpstreamWatch(llm_model, on_death=self._upstream_died, gauge=self._alive_gauge(llm_model))
+
+    def _route_gauge(self, name: str, description: str, value: float) -> Any:
+        MF = getattr(self.pb, "MetricFamily", None)
+        if MF is None:
+            return None
+        family = MF(name=name, kind=MF.GAUGE, description=description)
+        gauge = family.Metric(labels={"route": self.route_name})
+        gauge.set(value)
+        self._families = getattr(self, "_families", []) + [family]  # they outlive their metrics
+        return gauge
+
+    def _count_inflight(self, delta: int) -> None:
+        with self._inflight_lock:
+            self._inflight += delta
+            n = self._inflight
+            if self._inflight_gauge is not None:
+                try:
+                    self._inflight_gauge.set(n)
+                except Exception:  # noqa: BLE001 - metrics never fail a request
+                    log.exception("bls_inflight_requests update failed")
+
+    def inflight(self) -> int:
+        """Requests whose worker has not finished (client FINAL sent and upstream read out)."""
+        with self._inflight_lock:
+            return self._inflight
 
     def _alive_gauge(self, llm_model: str) -> Any:
         self._gauge_family = None
@@ -105,15 +180,23 @@ class BlsRoute:
                         make_response: Callable[[TextRequest, Chunk], Any],
                         hooks: Optional[RouteHooks] = None) -> "BlsRoute":
         """The route of a BLS model, from the `args` of its initialize(): the tokenizer and the
-        parameters `llm_model`, `max_concurrent_requests` and (preprocessing=True) the
-        `preprocessing_model` to tokenize through; preprocessing=False tokenizes in-process."""
+        parameters `llm_model`, `max_concurrent_requests`, `upstream_timeout_s` and
+        (preprocessing=True) the `preprocessing_model` to tokenize through; preprocessing=False
+        tokenizes in-process."""
         _, params, tok = model_tokenizer(args)
+        timeout = params.get("upstream_timeout_s", "") or str(DEFAULT_UPSTREAM_TIMEOUT_S)
+        try:
+            timeout_s = float(timeout)
+        except ValueError:
+            raise ValueError(f"parameter 'upstream_timeout_s' must be a number of seconds, not {timeout!r}") from None
+        if not timeout_s > 0:
+            raise ValueError(f"parameter 'upstream_timeout_s' must be > 0 (got {timeout!r})")
         return cls(pb_utils, tok, llm_model=params.get("llm_model", "llm"),
                    preprocessing_model=(params.get("preprocessing_model", "preprocessing") or None)
                    if preprocessing else None,
                    max_workers=int(params.get("max_concurrent_requests", "256")),
                    make_response=make_response, hooks=hooks,
-                   route_name=str(args.get("model_name", "bls")))
+                   route_name=str(args.get("model_name", "bls")), upstream_timeout_s=timeout_s)
 
     # ---- called from execute ------------------------------------------------------------
     def execute(self, requests: Any, parse: Callable[[dict, Any], TextRequest]) -> None:
@@ -123,37 +206,49 @@ class BlsRoute:
         for request in requests:
             try:
                 arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-                self.submit(request, parse(arrays, request))
+                parsed = parse(arrays, request)
             except InputError as e:
-                request.get_response_sender().send(
-                    pb.InferenceResponse(error=pb.TritonError(str(e))),
-                    flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                message = str(e)
+            except Exception as e:  # noqa: BLE001 - escaping execute would FINAL the batch twice
+                log.exception("BLS request parsing failed")
+                message = f"invalid request: {e!r}"
+            else:
+                self.submit(request, parsed)
+                continue
+            request.get_response_sender().send(pb.InferenceResponse(error=pb.TritonError(message)),
+                                               flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
     def submit(self, request: Any, parsed: TextRequest, sender: Any = None) -> None:
         """sender: the request's response sender, or a stand-in for it (a batch row's)."""
         sender = sender if sender is not None else request.get_response_sender()
-        self.pool.submit(self._run_safe, sender, parsed)
+        self._count_inflight(+1)
+        self.pool.submit(self._run_safe, _Sender(sender, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL), parsed)
 
     def close(self) -> None:
         self._closing.set()
         self.upstream.close()
+        self._inflight_gauge = None
         self._gauge_family = None  # after its metric (the Python backend requires that order)
+        self._families = []
         self.pool.shutdown(wait=True, cancel_futures=False)
 
     # ---- worker thread --------------------------------------------------------------------
     def _run_safe(self, sender: Any, req: TextRequest) -> None:
         FINAL = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            self._run(sender, req)
-        except InputError as e:
-            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
-        except (_UpstreamError, UpstreamGone) as e:
-            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
-        except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
-            log.exception("BLS request failed")
-            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(f"internal error: {e!r}")),
-                        flags=FINAL)
+            try:
+                self._run(sender, req)
+            except InputError as e:
+                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
+            except (_UpstreamError, UpstreamGone) as e:
+                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
+            except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
+                log.exception("BLS request failed")
+                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(f"internal error: {e!r}")),
+                            flags=FINAL)
+        finally:
+            self._count_inflight(-1)
 
     def _tokenize(self, req: TextRequest) -> tuple[list[int], list[int], list[list[int]]]:
         """(prompt ids, bad token ids, stop token sequences). Through `preprocessing`
@@ -209,7 +304,7 @@ class BlsRoute:
         if s.ignore_eos:
             inputs.append(t("ignore_eos", [True], np.bool_))
         return pb.InferenceRequest(model_name=self.llm_model, inputs=inputs, request_id=key,
-                                   requested_output_names=["output_ids", "finish_reason"])
+                                   requested_output_names=UPSTREAM_OUTPUTS)
 
     def _cancel_upstream(self, it: Any, key: str) -> None:
         if hasattr(it, "cancel"):
@@ -226,6 +321,12 @@ class BlsRoute:
         for _ in ctl.exec(decoupled=True):
             pass
 
+    def _cancel_quietly(self, key: str) -> None:
+        try:
+            self._cancel_upstream(None, key)
+        except Exception:  # noqa: BLE001 - best effort: the client has its error already
+            log.exception("BLS upstream cancel after a timeout failed")
+
     def _run(self, sender: Any, req: TextRequest) -> None:
         pb = self.pb
         FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -233,8 +334,23 @@ class BlsRoute:
         ids, bad, stop_seqs = self._tokenize(req)
         n_gen = 0
         key = f"{CANCEL_PREFIX}{uuid.uuid4().hex}"
-        it = BoundedResponses(self._llm_request(req, ids, bad, stop_seqs, key).exec(decoupled=True),
-                              self.upstream)
+        upstream_request = self._llm_request(req, ids, bad, stop_seqs, key)
+
+        def responses():  # exec() itself waits for the first response: on the helper thread
+            yield from upstream_request.exec(decoupled=True)
+
+        bounded = BoundedResponses(responses(), self.upstream, silence_s=self.upstream_timeout_s,
+                                   silence_message=f"no response from model '{self.llm_model}' within "
+                                                   f"{self.upstream_timeout_s:g} s (parameter upstream_timeout_s)")
+
+        def guarded():  # a silent upstream may only be slow: ask it to stop, off this thread
+            try:
+                yield from bounded
+            except UpstreamSilent:
+                threading.Thread(target=self._cancel_quietly, args=(key,), daemon=True).start()
+                raise
+
+        it = guarded()
         detok = IncrementalDetokenizer(self.tok, ids, req.skip_special_tokens)
         # stop words that became token sequences are the engine's; the rest are matched on text
         stops = StopStringMatcher([] if self.pre_model else req.stop_strings, req.include_stop_str_in_output)
@@ -254,10 +370,10 @@ class BlsRoute:
             if stopped or cancelled:
                 continue
             new = out.as_numpy().reshape(-1).tolist()
-            fr = pb.get_output_tensor_by_name(resp, "finish_reason")
-            fr = fr.as_numpy().reshape(-1)[0] if fr is not None else b""
-            fr = fr.decode() if isinstance(fr, bytes) else str(fr)
+            fr = _string_output(pb, resp, "finish_reason")
             up_final = fr != ""
+            if fr == "error":  # llm's in-band error (see the module docstring)
+                raise _UpstreamError(_string_output(pb, resp, "error_message") or f"model '{self.llm_model}' failed")
             if new:
                 n_gen += len(new)
                 hooks.tokens(len(new))
@@ -266,14 +382,14 @@ class BlsRoute:
             text = res.text
             if res.stopped:
                 stopped, finish = True, "stop"
-                self._cancel_upstream(it, key)
+                self._cancel_upstream(bounded, key)
             elif up_final:
                 finish = fr
                 text += stops.flush()
             if sender.is_cancelled():
                 cancelled = True
                 hooks.cancelling()
-                self._cancel_upstream(it, key)
+                self._cancel_upstream(bounded, key)
                 hooks.cancelled()
                 continue
             final = stopped or up_final
@@ -303,6 +419,16 @@ class BlsRoute:
         # the upstream ended without a final chunk: never leave the client hanging
         sender.send(self.make_response(req, Chunk(stops.flush(), 0, finish or "abort", len(ids), True)),
                     flags=FINAL)
+
+
+def _string_output(pb: Any, resp: Any, name: str) -> str:
+    t = pb.get_output_tensor_by_name(resp, name)
+    if t is None:
+        return ""
+    v = t.as_numpy().reshape(-1)
+    if v.size == 0:
+        return ""
+    return v[0].decode("utf-8", "replace") if isinstance(v[0], bytes) else str(v[0])
 
 
 class _UpstreamError(RuntimeError):

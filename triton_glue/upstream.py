@@ -6,6 +6,8 @@ forever. The iterator has no timeout, so it is read on a helper thread, and whil
 arrives the waiting side checks, every `poll_s`, that the upstream stub process still exists
 (by /proc only: no call into the server). When it is gone, the request fails with an error
 naming the dead model, the death is logged once, and a gauge (`bls_upstream_alive`) drops to 0.
+A live upstream that stays silent for `silence_s` (the route's `upstream_timeout_s`) ends the
+wait too (UpstreamSilent); the helper thread then stays until the upstream answers.
 """
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ STUB_NAME = "triton_python_backend_stub"
 
 class UpstreamGone(RuntimeError):
     pass
+
+
+class UpstreamSilent(UpstreamGone):
+    """The upstream sent nothing for the route's bound."""
 
 
 def find_stub(model: str, server_pid: int) -> Optional[int]:
@@ -108,10 +114,14 @@ class BoundedResponses:
 
     _END = object()
 
-    def __init__(self, responses: Any, watch: UpstreamWatch, poll_s: float = 1.0):
+    def __init__(self, responses: Any, watch: UpstreamWatch, poll_s: float = 1.0,
+                 silence_s: Optional[float] = None, silence_message: str = "upstream sent nothing"):
         self._it = responses
         self._watch = watch
-        self._poll_s = poll_s
+        self._poll_s = poll_s if silence_s is None else min(poll_s, silence_s)
+        self._silence_s = silence_s
+        self._silence_message = silence_message
+        self._last = time.monotonic()
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         watch.locate()
         self._pump = threading.Thread(target=self._pump_main, name="bls-upstream", daemon=True)
@@ -135,7 +145,10 @@ class BoundedResponses:
             except queue.Empty:
                 if not self._watch.alive():
                     raise UpstreamGone(self._watch.dead_message) from None
+                if self._silence_s is not None and time.monotonic() - self._last >= self._silence_s:
+                    raise UpstreamSilent(self._silence_message) from None
                 continue
+            self._last = time.monotonic()
             if err is not None:
                 raise err
             if item is self._END:

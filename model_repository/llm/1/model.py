@@ -41,17 +41,34 @@ FINALIZE_TIMEOUT_S = 5.0  # engine stop + final outputs, well inside the launche
 class _Group:
     """One Triton request: its response sender, shared by its batch rows (TensorRT-LLM clients
     send [B, ...] inputs; each row is one engine request). FINAL goes with the last row's end."""
-    __slots__ = ("sender", "rows", "remaining", "key", "lock", "closed")
+    __slots__ = ("sender", "rows", "remaining", "key", "bls", "lock", "closed")
 
-    def __init__(self, sender, size):
+    def __init__(self, sender, size, bls=False):
         self.sender = sender
         self.rows = []
         self.remaining = size
         self.key = None
+        self.bls = bls  # a BLS route's request: errors in-band (see _error_response)
         # is_cancelled() on a sender whose FINAL was sent crashes tritonserver 2.51 (the
         # response factory is gone): FINAL is sent, and polls happen, under this lock.
         self.lock = threading.Lock()
         self.closed = False
+
+
+def _error_response(message, in_band):
+    """The FINAL response of a failed request. A BLS route's request (in_band: its request id
+    starts with CANCEL_PREFIX) gets a normal response with finish_reason "error" and the
+    message in `error_message`: tritonserver 2.51 loses the BLS response-iterator id of an
+    error response, and the caller then hangs or crashes the server (see triton_glue/bls.py)."""
+    if not in_band:
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("output_ids", np.zeros((1, 1, 0), dtype=np.int32)),
+        pb_utils.Tensor("sequence_length", np.zeros((1, 1), dtype=np.int32)),
+        pb_utils.Tensor("prefix_ids", np.zeros((1, 0), dtype=np.int32)),
+        pb_utils.Tensor("finish_reason", np.asarray([[b"error"]], dtype=np.object_)),
+        pb_utils.Tensor("error_message", np.asarray([[message.encode("utf-8", "replace")]], dtype=np.object_)),
+    ])
 
 
 class _Inflight:
@@ -148,11 +165,12 @@ class TritonPythonModel:
         self._seen_ready = True  # requests only arrive once the model is ready
         for request in requests:
             sender = request.get_response_sender()
+            tid = request.request_id() or ""
+            bls = tid.startswith(CANCEL_PREFIX)
             try:
                 if self._unloading:
                     raise RuntimeError("model is unloading (or the server is shutting down)")
                 arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-                tid = request.request_id() or ""
                 if "cancel_request_id" in arrays:
                     self._control_cancel(arrays["cancel_request_id"])
                     sender.send(flags=FINAL)
@@ -167,7 +185,7 @@ class TritonPythonModel:
                 params = [r.sampling.to_params() for r in rows]
                 for r, p in zip(rows, params):  # every row before any reaches the engine
                     self.engine.engine.validate(r.prompt_ids, p)
-                group = _Group(sender, len(rows))
+                group = _Group(sender, len(rows), bls)
                 ctxs = [_Inflight(f"{self.instance}-{next(self._ids)}", group, r) for r in rows]
                 group.rows = ctxs
                 with self._lock:
@@ -199,11 +217,10 @@ class TritonPythonModel:
                     self.logger.log_warn(f"[llm] batch row {added} rejected; aborting the {added} row(s) before it")
             except (InputError, ValueError, RuntimeError) as e:
                 self.metrics.request_rejected()
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
+                sender.send(_error_response(str(e), bls), flags=FINAL)
             except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
                 self.metrics.request_rejected()
-                sender.send(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"internal error: {e!r}")), flags=FINAL)
+                sender.send(_error_response(f"internal error: {e!r}", bls), flags=FINAL)
         return None
 
     # ---- the sender: runs on the engine's dispatcher thread -----------------------------
@@ -230,9 +247,9 @@ class TritonPythonModel:
         if out.finished:
             self._account(ctx, out)
         if out.error is not None:
-            self._send(ctx, pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), True)
+            self._send(ctx, _error_response(out.error, ctx.group.bls), True)
             return
-        if out.finished and ctx.cancelled:
+        if out.finished and ctx.cancelled and not ctx.group.bls:  # BLS: finish_reason "abort"
             self._send(ctx, pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 "request cancelled", pb_utils.TritonError.CANCELLED)), True, only_if_last=True)
             return
@@ -424,8 +441,7 @@ class TritonPythonModel:
                 leftover, self._inflight = list(self._inflight.values()), {}
             for ctx in leftover:  # anything the engine never answered
                 try:
-                    self._send(ctx, pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError("model is unloading")), True)
+                    self._send(ctx, _error_response("model is unloading", ctx.group.bls), True)
                 except Exception:  # noqa: BLE001
                     pass
             self._finalized = True
