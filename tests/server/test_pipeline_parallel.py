@@ -36,7 +36,8 @@ def test_llm_pp2_matches_in_process_pp1(tmp_path):
         calls = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             body = {"input_ids": np.array([p], dtype=np.int32), "max_tokens": sp.max_tokens, "ignore_eos": True,
-                    "temperature": sp.temperature, "stream": True, "exclude_input_in_output": True}
+                    "temperature": sp.temperature, "top_p": sp.top_p,  # top_p: sampled (TensorRT-LLM's
+                    "stream": True, "exclude_input_in_output": True}       # k=0, p=0 is greedy)
             if sp.seed is not None:
                 body["seed"] = np.array([[sp.seed]], dtype=np.uint64)
             calls.append(sc.send("llm", body, f"pp{i}"))
