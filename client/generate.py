@@ -28,7 +28,8 @@ def _trtllm_inputs(prompt: str, max_tokens: int, temperature: Optional[float], s
     body = {"text_input": prompt, "max_tokens": max_tokens, "stream": stream,
             "exclude_input_in_output": True}
     if temperature is not None:
-        body["temperature"] = temperature
+        # top_p too: TensorRT-LLM's routes read absent top_k/top_p as greedy
+        body["temperature"], body["top_p"] = temperature, 1.0
     if stop:
         body["stop_words"] = stop
     return body
@@ -50,7 +51,7 @@ def _llm_inputs(prompt_ids: list[int], max_tokens: int, temperature: Optional[fl
     body = {"input_ids": list(prompt_ids), "max_tokens": max_tokens, "stream": stream,
             "exclude_input_in_output": True}
     if temperature is not None:
-        body["temperature"] = temperature
+        body["temperature"], body["top_p"] = temperature, 1.0  # (as above)
     return body
 
 
