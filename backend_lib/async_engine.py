@@ -6,6 +6,7 @@ all torch work), the dispatcher thread (runs callbacks, e.g. Triton's response s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -70,8 +71,14 @@ class _FailAll:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0):
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False):
+        """merge_queued_outputs: when the callbacks fall behind the engine loop, each dispatch
+        pass takes every step queued so far and delivers ONE output per request (its tokens
+        from all those steps, in order): a slow sink (Triton's response sender) then pays its
+        per-output cost once per pass instead of once per step, and every request still gets
+        its tokens at each pass (nothing waits for the engine to slow down)."""
         self.config = config
+        self._merge_queued = merge_queued_outputs
         self.error: Optional[BaseException] = None
         self._cmds: "queue.Queue[object]" = queue.Queue()
         self._outs: "queue.Queue[object]" = queue.Queue()
@@ -213,15 +220,45 @@ class AsyncEngine:
 
     # ---- dispatcher thread ------------------------------------------------------------------
     def _dispatch_main(self) -> None:
+        held = None  # a control item met while merging: handled after the steps before it
         while True:
-            item = self._outs.get()
+            item, held = (held if held is not None else self._outs.get()), None
             if item is _STOP:
                 return
             if isinstance(item, _FailAll):
                 self._fail_all(item.reason, item.error)
                 continue
+            if self._merge_queued:
+                item, held = self._merged_with_queued(item)
             for out in item:
                 self._deliver(out)
+
+    def _merged_with_queued(self, outs: list[RequestOutput]) -> tuple[list[RequestOutput], object]:
+        """outs and every step list queued behind it, one output per request (first-seen order;
+        tokens concatenated; state from its latest output). Also returns the control item
+        (_STOP / _FailAll) that ended the drain, or None."""
+        steps, stop_at = [outs], None
+        while True:
+            try:
+                nxt = self._outs.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(nxt, list):
+                stop_at = nxt
+                break
+            steps.append(nxt)
+        if len(steps) == 1:
+            return outs, stop_at
+        latest: dict[str, RequestOutput] = {}
+        tokens: dict[str, list[int]] = {}
+        for step in steps:
+            for out in step:
+                prev = latest.get(out.request_id)
+                if prev is not None and prev.finished:
+                    continue  # nothing after a request's final output
+                latest[out.request_id] = out
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return [dataclasses.replace(o, new_token_ids=tokens[rid]) for rid, o in latest.items()], stop_at
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:

@@ -230,3 +230,36 @@ def test_shutdown_timeout_never_runs_callbacks_on_the_callers_thread(path):
     assert sorted(finals) == ["other", "stuck"], calls
     assert all(t != caller for _, _, t in calls)
     assert len({t for _, _, t in calls}) == 1  # one thread delivers everything
+
+
+def test_merged_outputs_when_the_callback_lags(path, generate_reference):
+    """merge_queued_outputs with a callback slower than an engine step: each request's
+    callbacks carry several steps' tokens (fewer callbacks than tokens), yet tokens keep
+    coming while it runs (none held back until its end), in generate's order, one final last."""
+    prompts, params, ref = generate_reference
+    aeng = AsyncEngine(EngineConfig(model_path=path, **KW), merge_queued_outputs=True)
+    calls: dict[str, list] = {}
+    lock = threading.Lock()
+
+    def cb(out):
+        with lock:
+            calls.setdefault(out.request_id, []).append(out)
+        time.sleep(0.004)  # the sender's per-response cost, larger than a step here
+
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            aeng.add_request(f"r{i}", p, sp, callback=cb)
+        _wait(lambda: len(calls) == len(prompts) and all(c[-1].finished for c in calls.values()), 120)
+    finally:
+        aeng.shutdown()
+    long_ones = 0
+    for i, (toks, reason) in enumerate(ref):
+        outs = calls[f"r{i}"]
+        assert [t for o in outs for t in o.new_token_ids] == toks, i
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], i
+        assert str(outs[-1].finish_reason) == reason and outs[-1].num_output_tokens == len(toks), i
+        if len(toks) >= 24:
+            long_ones += 1
+            with_tokens = [o for o in outs if o.new_token_ids]
+            assert 2 <= len(with_tokens) < len(toks), (i, [len(o.new_token_ids) for o in outs])
+    assert long_ones >= 3

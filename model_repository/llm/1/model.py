@@ -4,8 +4,8 @@ Threads (per model instance):
   - Triton's execute thread: parse + validate + AsyncEngine.add_request, returns None at once;
   - the engine loop thread (backend_lib);
   - the engine's dispatcher thread: the ONLY sender; it turns RequestOutputs into responses;
-  - a monitor thread: polls is_cancelled() of in-flight requests (-> AsyncEngine.abort) and
-    exports engine stats to the metrics endpoint.
+  - a monitor thread: polls is_cancelled() of in-flight requests, one pass per cancel_poll_ms
+    (-> AsyncEngine.abort), and exports engine stats to the metrics endpoint.
 Every request gets exactly one FINAL: from the dispatcher (normal end, abort, engine error),
 or from execute itself when the request is rejected before reaching the engine.
 """
@@ -74,7 +74,7 @@ def _error_response(message, in_band):
 class _Inflight:
     __slots__ = ("rid", "group", "batch_index", "batch_size", "stream", "exclude_input", "prompt",
                  "tail", "first_sent", "ret_in", "ret_out", "pending", "t_arrival", "t_first",
-                 "t_last", "n_out", "cancelled", "last_cancel_check")
+                 "t_last", "n_out", "cancelled")
 
     def __init__(self, rid, group, req):
         self.rid = rid
@@ -88,13 +88,12 @@ class _Inflight:
         self.first_sent = False
         self.ret_in = req.return_num_input_tokens
         self.ret_out = req.return_num_output_tokens
-        self.pending = []          # non-streaming: tokens so far; streaming: tokens held back
+        self.pending = []          # non-streaming: the tokens so far
         self.t_arrival = time.monotonic()
         self.t_first = None
         self.t_last = None
         self.n_out = 0
         self.cancelled = False
-        self.last_cancel_check = 0.0
 
 
 class TritonPythonModel:
@@ -121,7 +120,9 @@ class TritonPythonModel:
 
         from backend_lib import AsyncEngine
         self.logger.log_info(f"[llm] starting engine: {cfg.to_json()}")
-        self.engine = AsyncEngine(cfg)  # start-up handshake: re-raises engine errors
+        # stream_coalesce=auto: when the sender lags the engine, one response per request per
+        # dispatch pass carries every step queued meanwhile.
+        self.engine = AsyncEngine(cfg, merge_queued_outputs=self.coalesce)  # re-raises engine errors
         self.logger.log_info(f"[llm] engine ready (vocab={self.engine.vocab_size}, "
                              f"max_model_len={self.engine.max_model_len})")
         fault_after = int(glue_config.glue_parameter(self.model_config, "test_fault_after_steps"))
@@ -258,21 +259,8 @@ class TritonPythonModel:
             if not out.finished:
                 return
             new = ctx.pending
-        elif self.coalesce and not out.finished and self.engine.backlog() > 0:
-            # The sender is behind the engine (step outputs queued): hold these tokens; this
-            # request's next output (every running request gets one per step, and the last
-            # one is final) carries them, so per-response cost is paid once per catch-up.
-            ctx.pending.extend(new)
-            return
-        elif ctx.pending:
-            new, ctx.pending = ctx.pending + list(new), []
         elif not new and not out.finished:
             return
-        # Cheap per-token cancellation check (the monitor covers requests with no output).
-        if not out.finished and now - ctx.last_cancel_check >= self.cancel_poll_s / 2:
-            ctx.last_cancel_check = now
-            if self._is_cancelled(ctx):
-                self._cancel(ctx)
         ids = new
         prefix = ctx.tail
         if not ctx.first_sent and not ctx.exclude_input:
@@ -357,11 +345,11 @@ class TritonPythonModel:
             if now >= next_ready:
                 next_ready = now + 0.5
                 self._watch_readiness()
+            # The only cancellation poll (each is_cancelled() is a round trip to the server):
+            # one pass over what is in flight per interval, none from the sender's path.
             with self._lock:
-                todo = [c for c in self._inflight.values()
-                        if not c.cancelled and now - c.last_cancel_check >= self.cancel_poll_s]
+                todo = [c for c in self._inflight.values() if not c.cancelled]
             for ctx in todo:
-                ctx.last_cancel_check = now
                 try:
                     if self._is_cancelled(ctx):
                         self._cancel(ctx)
