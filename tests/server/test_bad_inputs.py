@@ -119,8 +119,9 @@ def test_5mb_http_body_does_not_kill_the_server(server):
     """tritonserver 2.51's HTTP frontend died (Signal 11) on this body with the default 8 MiB
     stack; the launcher (and this fixture) raise the stack limit."""
     body = b'{"max_tokens": 2, "input_ids": [1, 2], "padding": "' + b"a" * 5_000_000 + b'"}'
+    # curl -d's content type: with it (not with application/json) 2.51 died on this body
     req = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
     try:
         urllib.request.urlopen(req, timeout=120)
         status, text = 200, ""

@@ -399,14 +399,16 @@ def test_port_in_use_leaves_no_orphan(tmp_path, busy):
 
 # ---- hostile HTTP -------------------------------------------------------------------------
 def big_body(mb: int) -> bytes:
-    """A generate body of about `mb` MB: one long JSON string (the shape that kills 2.51's HTTP
-    frontend: with an 8 MiB stack from about 4.5 MB on) under a key llm does not know."""
+    """A generate body of about `mb` MB: one long JSON string under a key llm does not know (sent
+    with a form content type, this kills 2.51's HTTP frontend from about 4.5 MB on with an 8 MiB
+    stack)."""
     return b'{"max_tokens": 2, "input_ids": [1, 2], "padding": "' + b"a" * (mb * 1000 * 1000) + b'"}'
 
 
 def post_raw(port: int, path: str, body: bytes, timeout: float = 120):
+    # curl -d's content type: with it (not with application/json) 2.51 dies on these bodies
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
