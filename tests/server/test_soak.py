@@ -47,6 +47,9 @@ HANG_S = 90.0  # a loaded 2-core CI box answers a 16-token request in a few seco
 # iterator with its tensors, a worker thread's stack, a detokenizer: >= 64 KiB) over 600
 # requests would be >= 38 MiB.
 RSS_GROWTH_BOUND_MB = 32
+# ThreadPoolExecutor adds a thread when none is idle at submit; at the same concurrency as
+# the warm-up a few more may appear, a leaked worker per stop string or cancel is ~45 each
+THREAD_SLACK = 12
 STUB_MODELS = ("llm", "llm_bls", "vllm_model", "preprocessing", "postprocessing")
 PROMPTS = [f"Soak {i}: tell me about {w}" for i, w in
            enumerate(["the sea", "rivers", "a cat", "mountains", "old books", "the moon", "bread", "trains"])]
@@ -283,12 +286,22 @@ def _stub_pids(server) -> dict[str, int]:
     return pids
 
 
-def _rss_mb(pid: int) -> float:
+def _proc_status(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise KeyError("VmRSS")
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _rss_mb(pid: int) -> float:
+    return _proc_status(pid, "VmRSS") / 1024
+
+
+def _threads(pid: int) -> int:
+    """Threads of a stub: a BLS worker that never finishes stays one (ThreadPoolExecutor starts
+    a new thread for the next request), so this counts leaked workers without the gauge."""
+    return _proc_status(pid, "Threads")
 
 
 def _ready(server) -> bool:
@@ -342,6 +355,7 @@ def test_soak_streams_cancels_stops(server, refs):
     pids = _stub_pids(server)
     assert set(pids) == set(STUB_MODELS), pids
     rss_before = {m: _rss_mb(p) for m, p in pids.items()}
+    threads_before = {m: _threads(pids[m]) for m in BLS_ROUTES}
 
     plans = _plans(refs, N_REQUESTS, rng)
     t0 = time.monotonic()
@@ -368,6 +382,10 @@ def test_soak_streams_cancels_stops(server, refs):
         if not ok:
             wrong.append((o.plan.n, o.plan.route, o.plan.transport, o.plan.stop, o.plan.cancel_after, got, exp))
 
+    # idle pool threads stay (up to the soak's concurrency); the upstream readers have ended
+    threads_grown = {m: _threads(pids[m]) - threads_before[m] for m in BLS_ROUTES}
+    assert wait_for(lambda: all(_threads(pids[m]) - threads_before[m] <= THREAD_SLACK for m in BLS_ROUTES), 30), \
+        f"BLS stub threads grew (leaked workers): {threads_grown}"
     _assert_drained(server)
     rss_after = {m: _rss_mb(p) for m, p in pids.items()}
     after = _greedy_alone(server, refs)
@@ -379,6 +397,7 @@ def test_soak_streams_cancels_stops(server, refs):
         "cancels_http": sum(o.plan.transport == "http" for o in cancels),
         "stop_requests": sum(o.plan.stop for o in outcomes), "stop_hits": stop_hits,
         "errors": len(errors), "hangs": len(hangs), "wrong_text": len(wrong),
+        "bls_stub_threads_grown": {m: _threads(pids[m]) - threads_before[m] for m in BLS_ROUTES},
         "rss_mb_before": {m: round(v, 1) for m, v in rss_before.items()},
         "rss_mb_after": {m: round(v, 1) for m, v in rss_after.items()},
     }
