@@ -19,13 +19,17 @@ logger = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
-# Sampling programs captured per bucket, as (all_greedy, use_masks): argmax only; temperature
-# sampling; the full program (bans, min_tokens, top-k/top-p; greedy rows still take argmax).
-GRAPH_VARIANTS = ((True, False), (False, False), (False, True))
+# Sampling programs captured per bucket, as (all_greedy, use_masks, logprobs): argmax only;
+# temperature sampling; the full program (bans, min_tokens, penalties, min_p/top-k/top-p, each
+# row paying only for its own filters; greedy rows still take argmax); the full program plus
+# logprobs.
+GRAPH_VARIANTS = ((True, False, False), (False, False, False), (False, True, False), (False, True, True))
 
 
-def graph_variant(greedy: bool, masks: bool) -> tuple[bool, bool]:
-    return (False, True) if masks else (greedy, False)
+def graph_variant(greedy: bool, masks: bool, logprobs: bool = False) -> tuple[bool, bool, bool]:
+    if logprobs:
+        return (False, True, True)
+    return (False, True, False) if masks else (greedy, False, False)
 
 
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
@@ -84,25 +88,28 @@ class EagerGraph:
 class _Graph:
     graph: Any            # torch.cuda.CUDAGraph or EagerGraph
     meta: DecodeMeta      # static input
-    out: torch.Tensor     # static output [B] sampled ids
+    out: torch.Tensor     # static output: [B] sampled ids, or [B, C] ids + logprobs
 
 
-# program(meta, all_greedy, use_masks) -> sampled ids [B]. Contract: the program ends by
-# advancing meta.pos of its real rows by one, so that the metadata then describes the same
-# rows' next decode step (what the reuse in DecodeGraphs.launch relies on).
-DecodeProgram = Callable[[DecodeMeta, bool, bool], torch.Tensor]
+# program(meta, all_greedy, use_masks, logprobs) -> sampled ids [B] (or [B, C] with logprobs).
+# Contract: the program ends by advancing meta.pos of its real rows by one, so that the
+# metadata then describes the same rows' next decode step (what the reuse in
+# DecodeGraphs.launch relies on).
+DecodeProgram = Callable[[DecodeMeta, bool, bool, bool], torch.Tensor]
 
 
 class DecodeGraphs:
     """Captured decode graphs of one runner and the metadata they last read."""
 
     def __init__(self, program: DecodeProgram, device: torch.device, buckets: tuple[int, ...],
-                 stand_in: bool = False):
+                 stand_in: bool = False,
+                 out_shape: Callable[[int, tuple], tuple[int, ...]] = lambda b, variant: (b,)):
         self._program = program
+        self._out_shape = out_shape  # of a stand-in graph's static output
         self.device = device
         self.buckets = buckets
         self.stand_in = stand_in
-        self.graphs: dict[tuple[int, tuple[bool, bool]], _Graph] = {}
+        self.graphs: dict[tuple[int, tuple[bool, bool, bool]], _Graph] = {}
         # Key (bucket, variant, slots) of the graph whose saved metadata the next step may
         # reuse by advancing positions; None when the last step was anything else.
         self._reusable: Optional[tuple] = None
@@ -121,11 +128,12 @@ class DecodeGraphs:
         self._reusable = None
 
     def launch(self, rows: Sequence, greedy: bool, masks: bool,
-               upload: Callable[[list[list[int]]], torch.Tensor]) -> tuple[torch.Tensor, tuple]:
+               upload: Callable[[list[list[int]]], torch.Tensor],
+               logprobs: bool = False) -> tuple[torch.Tensor, tuple]:
         """Replay the graph for a decode-only step of `rows` (len(rows) <= the largest
         bucket); returns (static output, tensors the step reads that must stay alive)."""
         bucket = self.bucket(len(rows))
-        variant = graph_variant(greedy, masks)
+        variant = graph_variant(greedy, masks, logprobs)
         g = self.graphs[(bucket, variant)]
         key = (bucket, variant, tuple(r.request.slot for r in rows))
         all_relay = all(r.first_from_relay for r in rows)
@@ -149,20 +157,20 @@ class DecodeGraphs:
     def _capture(self) -> None:
         pool = None
         for b in sorted(self.buckets, reverse=True):
-            for greedy, masks in GRAPH_VARIANTS:
+            for variant in GRAPH_VARIANTS:
                 meta = DecodeMeta.empty(b, self.device)
                 if self.stand_in:
-                    out = torch.zeros(b, dtype=torch.int64, device=self.device)
-                    graph: Any = EagerGraph(lambda m=meta, gr=greedy, ms=masks: self._program(m, gr, ms), out)
+                    out = torch.zeros(self._out_shape(b, variant), dtype=torch.int64, device=self.device)
+                    graph: Any = EagerGraph(lambda m=meta, v=variant: self._program(m, *v), out)
                 else:
                     for _ in range(2):  # warm up: compiles Triton kernels, settles allocations
-                        self._program(meta, greedy, masks)
+                        self._program(meta, *variant)
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        out = self._program(meta, greedy, masks)
+                        out = self._program(meta, *variant)
                     pool = graph.pool()
-                self.graphs[(b, (greedy, masks))] = _Graph(graph, meta, out)
+                self.graphs[(b, variant)] = _Graph(graph, meta, out)
         if not self.stand_in:
             torch.cuda.synchronize()
         logger.info("captured %d %sdecode graphs for buckets %s", len(self.graphs),

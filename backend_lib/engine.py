@@ -16,7 +16,7 @@ import os
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -92,6 +92,7 @@ class LLMEngine:
         # Pipeline parallel: up to one step in flight per stage.
         self._max_inflight = max(1, cfg.pipeline_parallel_size) if self.async_enabled else 0
         self._seed_rng = random.Random(cfg.seed)
+        self._parents: dict[str, _Parent] = {}
         self._async_steps = 0
         self._sync_steps = 0
         self._step_s = 0.0
@@ -124,12 +125,56 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         ids = self.validate(prompt_token_ids, params)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, effective_seed=seed)
-        self.scheduler.add(req)
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n == 1:
+            self.scheduler.add(self._request(request_id, ids, params, params.seed))
+            return
+        # Parallel sampling: n sequences, each its own request in the scheduler, seeds
+        # seed + index as vLLM derives them; the scheduler's forks share the prompt's blocks.
+        child = replace(params, n=1)
+        children = [self._request(_child_id(request_id, i), ids, child,
+                                  None if params.seed is None else (params.seed + i) % 2**63,
+                                  parent_id=request_id, index=i) for i in range(params.n)]
+        for c in children:
+            if c.request_id in self.scheduler.requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+        self.scheduler.add_forks(children)
+        self._parents[request_id] = _Parent([c.request_id for c in children], params.n)
+
+    def _request(self, request_id: str, ids: list[int], params: SamplingParams, seed: Optional[int],
+                 parent_id: Optional[str] = None, index: int = 0) -> Request:
+        if seed is None:
+            seed = self._seed_rng.getrandbits(63)
+        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, effective_seed=seed,
+                       parent_id=parent_id, index=index)
 
     def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id)
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return self.scheduler.abort(request_id)
+        aborted = [self.scheduler.abort(c) for c in parent.child_ids]
+        return any(aborted)
+
+    def _to_parents(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """n > 1: child outputs under the client's request id; `finished` only on the last."""
+        if not self._parents:
+            return outputs
+        for out in outputs:
+            child = _parent_of(out.request_id)
+            if child is None:
+                continue
+            parent_id, _ = child
+            parent = self._parents.get(parent_id)
+            if parent is None:
+                continue
+            out.request_id = parent_id
+            if out.finished:
+                parent.remaining -= 1
+                out.finished = parent.remaining == 0
+                if out.finished:
+                    del self._parents[parent_id]
+        return outputs
 
     def has_unfinished(self) -> bool:
         # Pending finished outputs (e.g. the "abort" final of a request aborted between steps)
@@ -157,11 +202,11 @@ class LLMEngine:
             tokens = handle.get()
             self._wait_s += time.perf_counter() - w0
             self.runner.handoff.collect_gap(handle)
-            outputs.extend(self.scheduler.update(done_sched, tokens))
+            outputs.extend(self.scheduler.update(done_sched, tokens, handle.logprobs(self.vocab_size)))
             if sched.is_empty:
                 break
         self._step_s += time.perf_counter() - t0
-        return outputs
+        return self._to_parents(outputs)
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                  ) -> list[CompletionOutput]:
@@ -177,15 +222,21 @@ class LLMEngine:
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         for rid, p, sp in zip(ids, prompts, plist):
             self.add_request(rid, p, sp)
-        results = {rid: CompletionOutput(rid, p, [], None) for rid, p in zip(ids, prompts)}
+        results = {(rid, i): CompletionOutput(rid, p, [], None, [] if sp.logprobs is not None else None,
+                                              None, i)
+                   for rid, p, sp in zip(ids, prompts, plist) for i in range(sp.n)}
         while self.has_unfinished():
             for out in self.step():
-                if out.request_id in results:
-                    res = results[out.request_id]
-                    res.token_ids.extend(out.new_token_ids)
-                    if out.finished:
-                        res.finish_reason = str(out.finish_reason)
-        return [results[r] for r in ids]
+                res = results.get((out.request_id, out.index))
+                if res is None:
+                    continue
+                res.token_ids.extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    res.logprobs.extend(out.new_logprobs)
+                    res.cumulative_logprob = out.cumulative_logprob
+                if out.finish_reason is not None:
+                    res.finish_reason = str(out.finish_reason)
+        return [results[(r, i)] for r, sp in zip(ids, plist) for i in range(sp.n)]
 
     def close(self) -> None:
         """Stop what the runner owns outside this process (pipeline stages); idempotent."""
@@ -208,6 +259,25 @@ class LLMEngine:
             kv_blocks_cached=s.blocks.num_cached,
             step_time_s=self._step_s, wait_time_s=self._wait_s,
             gpu_idle_gap_us=self.runner.handoff.take_gaps_us())
+
+
+@dataclass
+class _Parent:
+    """A request with n > 1: its sequences' scheduler ids and how many are still running."""
+    child_ids: list[str]
+    remaining: int
+
+
+_CHILD_SEP = "\x00n"  # child ids: f"{request_id}\x00n{index}" (no client id holds a NUL)
+
+
+def _child_id(request_id: str, index: int) -> str:
+    return f"{request_id}{_CHILD_SEP}{index}"
+
+
+def _parent_of(request_id: str) -> Optional[tuple[str, int]]:
+    head, sep, tail = request_id.rpartition(_CHILD_SEP)
+    return (head, int(tail)) if sep else None
 
 
 def _eos_ids(path: str, hf) -> tuple[int, ...]:

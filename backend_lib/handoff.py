@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import torch
 
+from .layers.logprobs import TokenLogprobs, unpack_logprobs
+
 
 class _DoneEvent:
     """CPU stand-in for torch.cuda.Event: CPU work is complete when it is enqueued."""
@@ -29,7 +31,10 @@ class _DoneEvent:
 
 @dataclass
 class StepHandle:
-    """AsyncStepOutput of one launched step. `get()` is the only host wait."""
+    """AsyncStepOutput of one launched step. `get()` is the only host wait.
+
+    host_buf holds [num_rows] token ids, or [num_rows, packed_width] rows of ids + logprobs
+    (layers/logprobs.py) for a step that computed them."""
     host_buf: torch.Tensor
     num_rows: int
     done: Any                          # torch.cuda.Event or _DoneEvent
@@ -41,20 +46,30 @@ class StepHandle:
     def get(self) -> list[int]:
         if self._tokens is None:
             self.done.synchronize()  # torch releases the GIL while it waits
-            self._tokens = self.host_buf[:self.num_rows].tolist()
+            buf = self.host_buf
+            self._tokens = (buf[:, 0] if buf.dim() == 2 else buf).tolist()
             self.keepalive = ()
         return self._tokens
+
+    def logprobs(self, vocab: int) -> Optional[list[TokenLogprobs]]:
+        """Per row, after get(): the token's logprobs, or None when the step computed none."""
+        if self.host_buf.dim() != 2:
+            return None
+        self.get()
+        return unpack_logprobs(self.host_buf, vocab)
 
 
 class TokenHandoff:
     """A ring of host buffers (pinned on CUDA), one per step in flight. A buffer is reused
     only after the handle that last used it has been consumed (its event completed)."""
 
-    def __init__(self, device: torch.device, width: int, depth: int = 4, time_steps: bool = True):
+    def __init__(self, device: torch.device, width: int, depth: int = 4, time_steps: bool = True,
+                 max_cols: int = 1):
         self.device = device
         self.is_cuda = device.type == "cuda"
         pin = self.is_cuda
-        self._bufs = [torch.zeros(width, dtype=torch.int64, pin_memory=pin) for _ in range(depth)]
+        # Flat buffers: a step's [rows] ids or [rows, cols] packed rows fill a contiguous prefix.
+        self._bufs = [torch.zeros(width * max_cols, dtype=torch.int64, pin_memory=pin) for _ in range(depth)]
         self._owners: list[Optional[StepHandle]] = [None] * depth
         self._next = 0
         self._time = time_steps and self.is_cuda
@@ -80,8 +95,9 @@ class TokenHandoff:
         if prev is not None and prev._tokens is None:
             # Ring deeper than the steps in flight makes this unreachable; wait, never clobber.
             prev.get()
-        buf = self._bufs[i]
-        buf[:num_rows].copy_(sampled[:num_rows], non_blocking=self.is_cuda)
+        rows = sampled[:num_rows]
+        buf = self._bufs[i][:rows.numel()].view(rows.shape)
+        buf.copy_(rows, non_blocking=self.is_cuda)
         done = self._event(timing=self._time)
         done.record()
         handle = StepHandle(buf, num_rows, done, start, done if self._time else None, keepalive)

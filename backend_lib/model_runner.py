@@ -10,6 +10,7 @@ pinned memory; nothing is ever read back except through the TokenHandoff.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,6 +21,8 @@ from .decode_graphs import DecodeGraphs, DecodeMeta, graph_buckets
 from .handoff import HostStaging, StepHandle, TokenHandoff
 from .layers.attention import AttentionMetadata
 from .layers import skinny_gemm
+from .layers.logprobs import MAX_LOGPROBS, pack_tokens_and_logprobs, packed_width
+from .layers.penalties import PenaltyState
 from .layers.sampler import SamplingTensors, sample
 from .models.loader import build_model
 from .scheduler import SchedulerOutput
@@ -27,6 +30,29 @@ from .scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TableUpdates:
+    """Host side of one step's persistent-table updates."""
+    ints: list[list[int]]       # admissions: [slot, top_k, seed, prompt_len, min_tokens, banned[k], stops[w]]
+    floats: list[list[float]]   # admissions: ADMISSION_FLOATS
+    growth: list[list[int]]     # KV growth: [slots], [block indices], [block ids]
+    history: list[list[int]]    # penalty rows' known tokens: [slots], [tokens], [is_output]
+
+
+# Floats per admission row.
+ADMISSION_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty")
+
+
+def _has_penalties(sp) -> bool:
+    return sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+
+
+def _decode_out_shape(bucket: int, variant: tuple) -> tuple[int, ...]:
+    """A decode program's output: [B] ids, or [B, packed_width] ids + logprobs."""
+    return (bucket, packed_width()) if variant[2] else (bucket,)
 
 
 class ModelRunner:
@@ -64,13 +90,17 @@ class ModelRunner:
         self.min_tokens = torch.zeros(n + 1, dtype=torch.int64, device=dev)
         self.banned = torch.full((n + 1, k), -1, dtype=torch.int64, device=dev)
         self.min_stop = torch.full((n + 1, k + 8), -1, dtype=torch.int64, device=dev)
+        self.min_p = torch.zeros(n + 1, dtype=torch.float32, device=dev)
+        # Penalty state lives where the sampler runs (the last pipeline stage).
+        self.penalties = PenaltyState(n + 1, s.vocab_size, dev) if self.model.is_last else None
         # Host mirrors of per-slot flags that pick the cheaper sampling program.
         self._slot_greedy = [True] * (n + 1)
         self._slot_masks = [False] * (n + 1)
+        self._slot_logprobs = [False] * (n + 1)
         self.scratch_slot = n
         self.pin = self.device.type == "cuda"
 
-        self.handoff = TokenHandoff(dev, width=max(n, 1), depth=4)
+        self.handoff = TokenHandoff(dev, width=max(n, 1), depth=4, max_cols=packed_width())
         # Largest upload: a mixed step's 4 x max_num_batched_tokens token rows (int64).
         self.staging = HostStaging(dev, 8 * (4 * cfg.max_num_batched_tokens + 8 * n + 4096))
         self.decision = decision
@@ -80,7 +110,8 @@ class ModelRunner:
             envs.skinny_gemm()) if self.device.type == "cuda" else None
         self.decode_graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda" and cfg.enable_cuda_graph and not self.is_pipeline_stage:
-            self.decode_graphs = DecodeGraphs(self._decode_program, self.device, self._graph_buckets())
+            self.decode_graphs = DecodeGraphs(self._decode_program, self.device, self._graph_buckets(),
+                                              out_shape=_decode_out_shape)
 
     def _graph_buckets(self) -> tuple[int, ...]:
         return graph_buckets(min(self.cfg.max_num_seqs, self.cfg.cuda_graph_max_batch))
@@ -91,7 +122,7 @@ class ModelRunner:
         if self.is_pipeline_stage:
             raise ValueError("decode graphs need the whole model (not a pipeline stage)")
         self.decode_graphs = DecodeGraphs(self._decode_program, self.device, self._graph_buckets(),
-                                          stand_in=True)
+                                          stand_in=True, out_shape=_decode_out_shape)
 
     @property
     def graphs(self) -> dict:
@@ -101,26 +132,28 @@ class ModelRunner:
     def _update_tables(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> None:
         """Admissions write their slot's sampling state; KV growth writes block-table entries.
         Each is one packed host tensor and one async H2D copy, then a scatter on device."""
-        ints, floats, growth = self.pack_table_updates(sched, eos_ids)
-        if ints:
-            ft = self.staging.upload(floats, torch.float32)
-            self.apply_admissions(self._to_device(ints), ft)
-        if growth[0]:
-            self.apply_growth(self._to_device(growth))
+        up = self.pack_table_updates(sched, eos_ids)
+        if up.ints:
+            ft = self.staging.upload(up.floats, torch.float32)
+            self.apply_admissions(self._to_device(up.ints), ft)
+        if up.history[0]:
+            self.apply_history(self._to_device(up.history))
+        if up.growth[0]:
+            self.apply_growth(self._to_device(up.growth))
 
     @property
     def admission_width(self) -> int:
         """Ints per admission row: slot, top_k, seed, prompt_len, min_tokens, banned[k], stops[w]."""
         return 5 + self.banned.shape[1] + self.min_stop.shape[1]
 
-    def pack_table_updates(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]):
-        """Host side of the table updates: (admission int rows, admission [temperature, top_p]
-        rows, growth [rows, cols, vals]). Also sets the host flags of admitted slots."""
+    def pack_table_updates(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> TableUpdates:
+        """Host side of the table updates. Also sets the host flags of admitted slots."""
         ints: list[list[int]] = []
         floats: list[list[float]] = []
         rows: list[int] = []
         cols: list[int] = []
         vals: list[int] = []
+        history: list[list[int]] = [[], [], []]
         if sched.new_slots:
             k, w = self.banned.shape[1], self.min_stop.shape[1]
             for req in sched.new_slots:
@@ -128,19 +161,28 @@ class ModelRunner:
                 stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
                 ints.append([slot, sp.top_k, req.effective_seed, req.num_prompt_tokens, sp.min_tokens]
                             + (list(sp.bad_token_ids) + [-1] * k)[:k] + (stops + [-1] * w)[:w])
-                floats.append([float(sp.temperature), float(sp.top_p)])
+                floats.append([float(getattr(sp, name)) for name in ADMISSION_FLOATS])
+                penalized = _has_penalties(sp)
                 self._slot_greedy[slot] = sp.temperature == 0.0
                 self._slot_masks[slot] = (bool(sp.bad_token_ids) or sp.min_tokens > 0 or sp.top_k > 0
-                                          or sp.top_p < 1.0)
+                                          or sp.top_p < 1.0 or sp.min_p > 0.0 or penalized)
+                self._slot_logprobs[slot] = sp.logprobs is not None
+                if penalized:
+                    # The tokens this request already has (prompt, and outputs from before a
+                    # preemption) seed its penalty state; later tokens count on the device.
+                    known = req.prompt_token_ids + req.output_token_ids
+                    history[0].extend([slot] * len(known))
+                    history[1].extend(known)
+                    history[2].extend([0] * req.num_prompt_tokens + [1] * len(req.output_token_ids))
         for req, first in sched.grown:
             ids = req.block_ids[first:]
             rows.extend([req.slot] * len(ids))
             cols.extend(range(first, first + len(ids)))
             vals.extend(ids)
-        return ints, floats, [rows, cols, vals]
+        return TableUpdates(ints, floats, [rows, cols, vals], history)
 
     def apply_admissions(self, it: torch.Tensor, ft: torch.Tensor) -> None:
-        """Device side: scatter admission rows ([A, admission_width] int64, [A, 2] f32)."""
+        """Device side: scatter admission rows ([A, admission_width] int64, [A, ADMISSION_FLOATS] f32)."""
         k = self.banned.shape[1]
         slots = it[:, 0]
         self.top_k[slots] = it[:, 1]
@@ -151,15 +193,25 @@ class ModelRunner:
         self.min_stop[slots] = it[:, 5 + k:]
         self.temperature[slots] = ft[:, 0]
         self.top_p[slots] = ft[:, 1]
+        self.min_p[slots] = ft[:, 2]
+        if self.penalties is not None:
+            self.penalties.admit(slots, ft[:, 3:6])
+
+    def apply_history(self, hist: torch.Tensor) -> None:
+        """Device side: penalty state of admitted slots from their known tokens ([3, H] int64)."""
+        if self.penalties is not None:
+            self.penalties.load_history(hist)
 
     def apply_growth(self, t: torch.Tensor) -> None:
         """Device side: block-table entries ([3, G] int64: slot, block index, block id)."""
         self.block_table[t[0], t[1]] = t[2].to(torch.int32)
 
-    def step_flags(self, sched: SchedulerOutput) -> tuple[bool, bool]:
-        """(all rows greedy, any row needs id masks): host flags that pick the sampling program."""
+    def step_flags(self, sched: SchedulerOutput) -> tuple[bool, bool, bool]:
+        """(all rows greedy, any row needs masks/filters/penalties, any row wants logprobs):
+        host flags that pick the sampling program."""
         slots = [r.request.slot for r in sched.rows]
-        return all(self._slot_greedy[s] for s in slots), any(self._slot_masks[s] for s in slots)
+        return (all(self._slot_greedy[s] for s in slots), any(self._slot_masks[s] for s in slots),
+                any(self._slot_logprobs[s] for s in slots))
 
     def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
         """Host int64 rows -> device, asynchronously through the pinned staging ring."""
@@ -171,24 +223,24 @@ class ModelRunner:
         """Launch one step; returns at once (on CUDA) with the handle of its sampled tokens."""
         self._update_tables(sched, eos_ids)
         rows = sched.rows
-        greedy, masks = self.step_flags(sched)
+        greedy, masks, logprobs = self.step_flags(sched)
         start = self.handoff.begin_step()
         graphs = self.decode_graphs
         if sched.is_decode_only and graphs is not None and graphs.bucket(len(rows)) is not None:
-            out, keep = graphs.launch(rows, greedy, masks, self._to_device)
+            out, keep = graphs.launch(rows, greedy, masks, self._to_device, logprobs)
             return self.handoff.publish(out, len(rows), start, keepalive=keep)
         if graphs is not None:
             graphs.invalidate()
         if not sched.is_decode_only:
-            sampled, keep = self._mixed_step(sched, greedy, masks)
+            sampled, keep = self._mixed_step(sched, greedy, masks, logprobs)
             return self.handoff.publish(sampled, len(rows), start, keepalive=keep)
         # Decode larger than every graph bucket (or no graphs): the same program, eagerly.
         meta = DecodeMeta(self._to_device(DecodeMeta.host_rows(rows, 0)))
-        return self.handoff.publish(self._decode_program(meta, greedy, masks), len(rows), start,
+        return self.handoff.publish(self._decode_program(meta, greedy, masks, logprobs), len(rows), start,
                                     keepalive=(meta.packed,))
 
     # ---- decode: one token per row, fixed shapes (the CUDA-graph program) ------------------
-    def _decode_program(self, meta: DecodeMeta, greedy: bool, masks: bool) -> torch.Tensor:
+    def _decode_program(self, meta: DecodeMeta, greedy: bool, masks: bool, logprobs: bool = False) -> torch.Tensor:
         valid = meta.slot >= 0
         slot_c = torch.where(valid, meta.slot, self.scratch_slot)
         pos = meta.pos
@@ -202,31 +254,45 @@ class ModelRunner:
             attn.seq_lens_host = seq_lens.tolist()
             attn.q_lens_host = [1] * len(attn.seq_lens_host)
         hidden = self.model(ids, pos, self.kv_caches, attn)
-        tokens = self._sample_and_relay(hidden, slot_c, valid & (meta.samples > 0), pos + 1, greedy, masks)
+        out = self._sample_and_relay(hidden, slot_c, valid & (meta.samples > 0), pos + 1, greedy, masks,
+                                     logprobs)
         # Last, after every read of the positions: leave the metadata describing the same
         # rows' next decode step, so that a graph replayed for unchanged rows needs no upload
         # and no kernel outside the graph (decode_graphs.DecodeGraphs.launch).
         meta.pos.add_(valid)
-        return tokens
+        return out
 
-    def _sample_and_relay(self, hidden, slot_c, samples, next_pos, greedy, masks) -> torch.Tensor:
-        tokens = self.sample_rows(hidden, slot_c, next_pos, greedy, masks)
+    def _sample_and_relay(self, hidden, slot_c, samples, next_pos, greedy, masks, logprobs=False) -> torch.Tensor:
+        out = self.sample_rows(hidden, slot_c, next_pos, greedy, masks, logprobs, samples)
+        tokens = out[:, 0] if logprobs else out
         # Relay: step n+1 gathers its input ids here, on the device, by slot.
         self.relay[torch.where(samples, slot_c, self.scratch_slot)] = tokens
-        return tokens
+        return out
 
-    def sample_rows(self, hidden, slot_c, next_pos, greedy, masks) -> torch.Tensor:
-        """Last stage: logits of each row's last hidden state -> sampled ids (per-slot tables)."""
+    def sample_rows(self, hidden, slot_c, next_pos, greedy, masks, logprobs=False, samples=None) -> torch.Tensor:
+        """Last stage: logits of each row's last hidden state -> what the step hands to the
+        host: sampled ids [S], or [S, packed_width] ids + logprobs. Penalty rows' tokens are
+        counted here, right after sampling (`samples`: rows whose token is a real output)."""
         logits = self.model.compute_logits(hidden)
+        raw = logits
+        if logprobs:
+            logits = logits.clone()  # logprobs are of the raw logits; the filters work in place
         st = SamplingTensors(
             temperature=self.temperature[slot_c], top_k=self.top_k[slot_c], top_p=self.top_p[slot_c],
             seed=self.seed[slot_c], position=next_pos, banned_ids=self.banned[slot_c],
             min_stop_ids=self.min_stop[slot_c],
-            min_tokens_left=self.min_tokens[slot_c] - (next_pos - self.prompt_len[slot_c]))
-        return sample(logits, st, greedy, masks)
+            min_tokens_left=self.min_tokens[slot_c] - (next_pos - self.prompt_len[slot_c]),
+            min_p=self.min_p[slot_c])
+        if masks:
+            self.penalties.apply_(logits, slot_c)
+        tokens = sample(logits, st, greedy, masks)
+        if masks:
+            counted = slot_c if samples is None else torch.where(samples, slot_c, self.scratch_slot)
+            self.penalties.count_sampled(counted, tokens)
+        return pack_tokens_and_logprobs(raw, tokens, MAX_LOGPROBS) if logprobs else tokens
 
     # ---- mixed / prefill steps (eager) ------------------------------------------------------
-    def _mixed_step(self, sched: SchedulerOutput, greedy: bool, masks: bool):
+    def _mixed_step(self, sched: SchedulerOutput, greedy: bool, masks: bool, logprobs: bool):
         tok_h, row_h, cu, seq_lens, q_lens = self.pack_mixed(sched)
         tok = self._to_device(tok_h)
         row = self._to_device(row_h)
@@ -234,7 +300,7 @@ class ModelRunner:
         input_ids = self.gather_input_ids(tok[0], tok[1])
         p, attn = self.mixed_attention(tok[2], tok[3], row, cu_t, seq_lens, q_lens)
         hidden = self.model(input_ids, p, self.kv_caches, attn)
-        sampled = self._sample_and_relay(hidden[row[2]], row[0], row[3] > 0, row[1], greedy, masks)
+        sampled = self._sample_and_relay(hidden[row[2]], row[0], row[3] > 0, row[1], greedy, masks, logprobs)
         return sampled, (tok, row, cu_t)
 
     def pack_mixed(self, sched: SchedulerOutput):

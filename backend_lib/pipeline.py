@@ -51,14 +51,15 @@ import torch.distributed as dist
 from . import envs
 from .config import AsyncDecision, EngineConfig
 from .handoff import StepHandle, TokenHandoff, _DoneEvent
-from .model_runner import ModelRunner
+from .layers.logprobs import packed_width
+from .model_runner import ADMISSION_FLOATS, ModelRunner
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger("backend_lib")
 
 # ---- the packed step description ------------------------------------------------------------
 HEADER_LEN = 12
-_OP, _STEP, _S, _T, _A, _G, _GREEDY, _MASKS, _NSAMP, _PLEN = range(10)
+_OP, _STEP, _S, _T, _A, _G, _GREEDY, _MASKS, _NSAMP, _PLEN, _LOGPROBS, _HIST = range(12)
 OP_STEP, OP_STOP = 1, 2
 # Idle workers block on the next header for as long as the engine idles: the group timeout
 # is effectively infinite; stage 0 bounds its own waits with envs.pp_timeout_s().
@@ -92,7 +93,8 @@ def validate_pipeline(cfg: EngineConfig, hf_config) -> None:
 @dataclass
 class _Sections:
     adm_ints: torch.Tensor   # [A, W]
-    adm_floats: torch.Tensor  # [A, 2] f32 (temperature, top_p)
+    adm_floats: torch.Tensor  # [A, len(ADMISSION_FLOATS)] f32
+    history: torch.Tensor    # [3, H] penalty rows' known tokens (slot, token, is_output)
     growth: torch.Tensor     # [3, G]
     tok: torch.Tensor        # [4, T] ids, relay_src, pos, tok_slot
     row: torch.Tensor        # [4, S] slot, seq_len, last_idx, samples
@@ -100,7 +102,7 @@ class _Sections:
 
 
 def _sections(payload: torch.Tensor, h: list[int], width: int) -> _Sections:
-    a, g, t, s = h[_A], h[_G], h[_T], h[_S]
+    a, g, t, s, nf = h[_A], h[_G], h[_T], h[_S], len(ADMISSION_FLOATS)
     o = 0
 
     def take(n: int) -> torch.Tensor:
@@ -109,25 +111,27 @@ def _sections(payload: torch.Tensor, h: list[int], width: int) -> _Sections:
         o += n
         return out
     adm_i = take(a * width).view(a, width)
-    adm_f = take(2 * a).view(torch.float64).view(a, 2).to(torch.float32)
+    adm_f = take(nf * a).view(torch.float64).view(a, nf).to(torch.float32)
+    hist = take(3 * h[_HIST]).view(3, h[_HIST])
     growth = take(3 * g).view(3, g)
     tok = take(4 * t).view(4, t)
     row = take(4 * s).view(4, s)
     cu = take(s + 1)
-    return _Sections(adm_i, adm_f, growth, tok, row, cu)
+    return _Sections(adm_i, adm_f, hist, growth, tok, row, cu)
 
 
 def pack_step(runner: ModelRunner, sched: SchedulerOutput, eos_ids: tuple[int, ...]):
     """Host side of one step: (header list, payload CPU int64 tensor, seq_lens, q_lens).
     Table updates (admissions, KV growth) and the per-token/per-row arrays in one tensor."""
-    ints, floats, growth = runner.pack_table_updates(sched, eos_ids)
-    greedy, masks = runner.step_flags(sched)
+    up = runner.pack_table_updates(sched, eos_ids)
+    ints, floats, growth = up.ints, up.floats, up.growth
+    greedy, masks, logprobs = runner.step_flags(sched)
     tok, row, cu, seq_lens, q_lens = runner.pack_mixed(sched)
     flat: list[int] = [v for r in ints for v in r]
     fl = [v for r in floats for v in r]
     if fl:
         flat.extend(struct.unpack(f"<{len(fl)}q", struct.pack(f"<{len(fl)}d", *fl)))
-    for part in (growth, tok, row):
+    for part in (up.history, growth, tok, row):
         for r in part:
             flat.extend(r)
     flat.extend(cu)
@@ -139,6 +143,7 @@ def pack_step(runner: ModelRunner, sched: SchedulerOutput, eos_ids: tuple[int, .
     header[_OP], header[_STEP], header[_S], header[_T] = OP_STEP, sched.step_id, len(row[0]), len(tok[0])
     header[_A], header[_G], header[_GREEDY], header[_MASKS] = len(ints), len(growth[0]), int(greedy), int(masks)
     header[_NSAMP], header[_PLEN] = n_samples, payload.numel()
+    header[_LOGPROBS], header[_HIST] = int(logprobs), len(up.history[0])
     return header, payload, seq_lens, q_lens
 
 
@@ -149,6 +154,8 @@ def stage_forward(runner: ModelRunner, h: list[int], payload_dev: torch.Tensor, 
     sec = _sections(payload_dev, h, runner.admission_width)
     if runner.model.is_last and h[_A]:
         runner.apply_admissions(sec.adm_ints, sec.adm_floats)
+    if runner.model.is_last and h[_HIST]:
+        runner.apply_history(sec.history)
     if h[_G]:
         runner.apply_growth(sec.growth)
     p, attn = runner.mixed_attention(sec.tok[2], sec.tok[3], sec.row, sec.cu.to(torch.int32), seq_lens, q_lens)
@@ -303,7 +310,7 @@ def _worker_loop(runner: ModelRunner, comm: _Comm, rank: int, world: int) -> Non
             sends.append(comm.isend(hidden, rank + 1))
         else:
             tokens = runner.sample_rows(hidden[sec.row[2]], sec.row[0], sec.row[1], bool(h[_GREEDY]),
-                                        bool(h[_MASKS]))
+                                        bool(h[_MASKS]), bool(h[_LOGPROBS]), sec.row[3] > 0)
             if h[_NSAMP] > 0:  # rounds where no row samples send nothing: stage 0 posts no recv
                 sends.append(comm.isend(tokens, 0))
         while len(sends) > 6:
@@ -343,6 +350,10 @@ class PipelineStepHandle:
                     self._ex._fail(PipelineError("pipeline step timed out waiting for sampled tokens"))
                 time.sleep(5e-5)
         return self.inner.get()
+
+    def logprobs(self, vocab: int):
+        self.get()
+        return self.inner.logprobs(vocab)
 
 
 class PipelineExecutor:
@@ -401,7 +412,8 @@ class PipelineExecutor:
             restore_object_guard(self._guard)
             raise
         self.vocab_size = self.runner.vocab_size
-        self.handoff = TokenHandoff(self.device, width=max(cfg.max_num_seqs, 1), depth=pp + 3)
+        self.handoff = TokenHandoff(self.device, width=max(cfg.max_num_seqs, 1), depth=pp + 3,
+                                    max_cols=packed_width())
         self._hidden_size = self.runner.shape.hidden_size
         self._zeros = torch.zeros(max(cfg.max_num_seqs, 1), dtype=torch.int64)
         logger.info("pipeline: %d stages, layers %s, device group %s", pp, self.ranges, self.backend)
@@ -487,7 +499,8 @@ class PipelineExecutor:
         handle = PipelineStepHandle(self)
         pending = _Pending(handle, h[_S], row=sec.row)
         if h[_NSAMP] > 0:
-            pending.work, pending.buf = self.comm.irecv((h[_S],), torch.int64, self.pp - 1)
+            shape = (h[_S], packed_width()) if h[_LOGPROBS] else (h[_S],)
+            pending.work, pending.buf = self.comm.irecv(shape, torch.int64, self.pp - 1)
         else:
             self.num_steps_without_samples += 1
         self._pending.append(pending)
@@ -516,11 +529,12 @@ class PipelineExecutor:
             return
         self._wait(p.work)
         self.num_token_recvs += 1
-        tokens = self.comm.to_device(p.buf)
+        out = self.comm.to_device(p.buf)  # [S] ids, or [S, packed_width] ids + logprobs
+        tokens = out[:, 0] if out.dim() == 2 else out
         r = self.runner
         # The relay write happens on the device: step n+1 gathers its input ids from here.
         r.relay[torch.where(p.row[3] > 0, p.row[0], r.scratch_slot)] = tokens
-        p.handle.inner = self.handoff.publish(tokens, p.num_rows, keepalive=(p.buf, p.row))
+        p.handle.inner = self.handoff.publish(out, p.num_rows, keepalive=(p.buf, p.row))
 
     # ---- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+from .layers.logprobs import MAX_LOGPROBS
+
+MAX_N = 16  # SamplingParams.n
 
 
 class FinishReason(str, enum.Enum):
@@ -44,6 +49,14 @@ class SamplingParams:
     # token sequences that end the request once generated in full (TensorRT-LLM's stop words);
     # the stop sequence's tokens stay in the output, finish reason "stop"
     stop_sequences: list[list[int]] = field(default_factory=list)
+    # vLLM's semantics: repetition over prompt + output tokens (HF's formula), presence and
+    # frequency over output tokens (OpenAI's).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0          # keep tokens with prob >= min_p * the top prob
+    logprobs: Optional[int] = None  # None: none; N: the sampled token's plus the top-N raw logprobs
+    n: int = 1                  # parallel samples of one prompt (derived seeds, own index each)
 
     def validate(self, max_model_len: int, vocab_size: int, max_stop_ids: int) -> None:
         """Raise ValueError naming the field and its limit."""
@@ -61,6 +74,18 @@ class SamplingParams:
             fail("top_k", "-1 (disabled), 0 (disabled) or a positive integer")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             fail("top_p", "in (0, 1]")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            fail("min_p", "in [0, 1]")
+        if not _is_number(self.repetition_penalty) or not (0.0 < self.repetition_penalty < math.inf):
+            fail("repetition_penalty", "a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not (-2.0 <= getattr(self, name) <= 2.0):
+                fail(name, "in [-2, 2] (0 = off)")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not (0 <= self.logprobs <= MAX_LOGPROBS)):
+            fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
+            fail("n", f"an integer in [1, {MAX_N}]")
         if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**63)):
             fail("seed", "an integer in [0, 2**63)")
         for name in ("stop_token_ids", "bad_token_ids"):
@@ -83,6 +108,11 @@ class SamplingParams:
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    # NaN fails every range comparison, so range checks reject it.
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 _request_counter = itertools.count()
@@ -116,6 +146,11 @@ class Request:
     # tokens, and how many leading blocks of block_ids hold final KV (cached or shareable).
     block_hashes: list[bytes] = field(default_factory=list)
     num_committed_blocks: int = 0
+    # Parallel sampling (n > 1): the client-visible request id and this sequence's index.
+    parent_id: Optional[str] = None
+    index: int = 0
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)  # when sampling.logprobs is set
+    cumulative_logprob: float = 0.0
 
     num_prompt_tokens: int = field(init=False, default=0)
 
@@ -154,6 +189,12 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0      # total generated so far
     error: Optional[str] = None
+    # One dict per new token (the sampled id plus the top-N: raw logprobs), when requested.
+    new_logprobs: Optional[list[dict[int, float]]] = None
+    cumulative_logprob: Optional[float] = None   # of the whole sequence so far, when requested
+    # n > 1: which sequence these tokens belong to. `finish_reason` is that sequence's;
+    # `finished` is True once, on the last output of the whole request.
+    index: int = 0
 
 
 @dataclass
@@ -163,6 +204,9 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: Optional[str]
+    logprobs: Optional[list[dict[int, float]]] = None  # per token, when requested
+    cumulative_logprob: Optional[float] = None
+    index: int = 0                                     # n > 1: the sequence's index
 
 
 def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> list[int]:

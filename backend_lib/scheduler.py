@@ -318,15 +318,17 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- results ------------------------------------------------------------------------
-    def update(self, sched: SchedulerOutput, sampled: Optional[Sequence[int]]) -> list[RequestOutput]:
+    def update(self, sched: SchedulerOutput, sampled: Optional[Sequence[int]],
+               logprobs: Optional[Sequence] = None) -> list[RequestOutput]:
         """Apply one step's sampled tokens (one per row, in row order; None when the step
-        produced none). Tokens of rows whose request has finished meanwhile are discarded:
-        the overshoot of a stop found one step late is never streamed."""
+        produced none) and, when the step computed them, their logprobs (TokenLogprobs per
+        row). Tokens of rows whose request has finished meanwhile are discarded: the
+        overshoot of a stop found one step late is never streamed."""
         outputs = self._pending_finished
         self._pending_finished = []
         if sampled is None:
             return outputs
-        for row, token in zip(sched.rows, sampled):
+        for i, (row, token) in enumerate(zip(sched.rows, sampled)):
             if not row.samples:
                 continue  # a non-final prefill chunk: its sample is meaningless
             req = row.request
@@ -334,6 +336,11 @@ class Scheduler:
                 continue
             req.num_output_placeholders -= 1
             req.output_token_ids.append(int(token))
+            n_lp = req.sampling.logprobs
+            if n_lp is not None:
+                lp = logprobs[i]
+                req.output_logprobs.append(lp.as_dict(int(token), n_lp))
+                req.cumulative_logprob += lp.logprob
             self.stats.generation_tokens_total += 1
             reason = self._stop_reason(req, int(token))
             if reason is not None:
@@ -354,10 +361,15 @@ class Scheduler:
         return None
 
     def _output(self, req: Request) -> RequestOutput:
-        new = req.output_token_ids[req.num_streamed:]
+        start = req.num_streamed
+        new = req.output_token_ids[start:]
         req.num_streamed = len(req.output_token_ids)
-        return RequestOutput(req.request_id, new, req.is_finished, req.finish_reason,
-                             req.num_prompt_tokens, len(req.output_token_ids))
+        out = RequestOutput(req.request_id, new, req.is_finished, req.finish_reason,
+                            req.num_prompt_tokens, len(req.output_token_ids), index=req.index)
+        if req.sampling.logprobs is not None:
+            out.new_logprobs = req.output_logprobs[start:]
+            out.cumulative_logprob = req.cumulative_logprob
+        return out
 
     def _finish(self, req: Request, reason: FinishReason, emit: bool = True) -> None:
         if req.status == RequestStatus.RUNNING:

@@ -128,6 +128,7 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     num_outputs: int = 0
+    logprobs: list = field(default_factory=list)   # one dict per token, for requests that ask
 
 
 @dataclass
@@ -193,6 +194,9 @@ def run_specs(engine: LLMEngine, specs: Sequence[Spec], order_rng: Optional[rand
                 r = results[out.request_id]
                 assert r.finish_reason is None, f"{out.request_id}: output after the final one"
                 r.tokens.extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    assert len(out.new_logprobs) == len(out.new_token_ids)
+                    r.logprobs.extend(out.new_logprobs)
                 r.num_outputs += 1
                 assert out.num_output_tokens == len(r.tokens), (out, len(r.tokens))
                 if out.finished:

@@ -45,6 +45,19 @@ BAD_REQUESTS = [
     ("stop id outside vocab", GOOD, greedy(4, stop_token_ids=[768]), "stop_token_ids"),
     ("bad id negative", GOOD, greedy(4, bad_token_ids=[-3]), "bad_token_ids"),
     ("too many stop ids", GOOD, greedy(4, stop_token_ids=list(range(4, 30))), "stop_token_ids"),
+    ("repetition_penalty 0", GOOD, greedy(4, repetition_penalty=0.0), "repetition_penalty"),
+    ("repetition_penalty inf", GOOD, greedy(4, repetition_penalty=float("inf")), "repetition_penalty"),
+    ("presence_penalty 2.5", GOOD, greedy(4, presence_penalty=2.5), "[-2, 2]"),
+    ("frequency_penalty nan", GOOD, greedy(4, frequency_penalty=float("nan")), "frequency_penalty"),
+    ("frequency_penalty -3", GOOD, greedy(4, frequency_penalty=-3.0), "[-2, 2]"),
+    ("min_p 1.5", GOOD, greedy(4, min_p=1.5), "min_p"),
+    ("min_p negative", GOOD, greedy(4, min_p=-0.1), "[0, 1]"),
+    ("logprobs 21", GOOD, greedy(4, logprobs=21), "[0, 20]"),
+    ("logprobs negative", GOOD, greedy(4, logprobs=-1), "logprobs"),
+    ("logprobs bool", GOOD, greedy(4, logprobs=True), "logprobs"),
+    ("n 0", GOOD, greedy(4, n=0), "[1, 16]"),
+    ("n 17", GOOD, greedy(4, n=17), "[1, 16]"),
+    ("n float", GOOD, greedy(4, n=2.0), "n must be"),
 ]
 
 

@@ -1,0 +1,78 @@
+"""Repetition / presence / frequency penalties with vLLM's semantics, and their per-slot
+device state.
+
+    seen = token in the prompt or the output so far
+    logit = seen ? (logit > 0 ? logit / repetition : logit * repetition) : logit   (HF's formula)
+    logit -= frequency * output_count + presence * (output_count > 0)            (OpenAI's)
+
+State per slot, on the device: the prompt's token set and the output token counts. A slot's
+rows are reset and filled from the host at admission (prompt + the outputs a preempted
+request already has), and each sampled token is counted inside the step, right after it is
+sampled: token n counts before token n+1 is sampled, whatever the steps in flight. A stop
+overshoot (a token sampled for a request already finished) lands in a slot that its next
+owner's admission resets first (same stream), so it never counts.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class PenaltyState:
+    def __init__(self, num_slots: int, vocab: int, device: torch.device):
+        """num_slots includes the runner's scratch slot (the last row)."""
+        self.vocab = vocab
+        self.counts = torch.zeros(num_slots, vocab, dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)
+        self.repetition = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.presence = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(num_slots, dtype=torch.float32, device=device)
+
+    def admit(self, slots: torch.Tensor, params: torch.Tensor) -> None:
+        """slots [A] int64; params [A, 3] f32 (repetition, presence, frequency): reset rows."""
+        self.repetition[slots] = params[:, 0]
+        self.presence[slots] = params[:, 1]
+        self.frequency[slots] = params[:, 2]
+        self.counts[slots] = 0
+        self.prompt_mask[slots] = False
+
+    def load_history(self, hist: torch.Tensor) -> None:
+        """hist [3, H] int64 (slot, token, is_output): the prompt tokens and the outputs a
+        request had before this admission (after a preemption)."""
+        slot, tok, is_out = hist[0], hist[1], hist[2] > 0
+        # Output entries set their bit in the scratch row (never read with penalties on):
+        # every write is then True, so duplicates don't race.
+        scratch = torch.full_like(slot, self.counts.shape[0] - 1)
+        self.prompt_mask[torch.where(is_out, scratch, slot), tok] = True
+        self.counts.index_put_((slot, tok), is_out.to(torch.int32), accumulate=True)
+
+    def count_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """In the step, right after sampling: slots [S] (scratch slot for rows that don't
+        sample), tokens [S]."""
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+    def apply_(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """In place on logits [S, V] (rows gather their slot's state)."""
+        if logits.device.type == "cuda":
+            from . import sampling_kernels
+            if sampling_kernels.available():
+                return sampling_kernels.apply_penalties_kernel(
+                    logits, slots, self.counts, self.prompt_mask, self.repetition, self.presence,
+                    self.frequency)
+        counts = self.counts[slots]
+        apply_penalties_reference(logits, counts, self.prompt_mask[slots], self.repetition[slots],
+                                  self.presence[slots], self.frequency[slots])
+        return logits
+
+
+def apply_penalties_reference(logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor,
+                              repetition: torch.Tensor, presence: torch.Tensor,
+                              frequency: torch.Tensor) -> torch.Tensor:
+    """The definition, in place: logits [S, V], output_counts [S, V] int, prompt_mask [S, V]
+    bool, per-row penalties [S]. Neutral values leave a row bit-identical."""
+    seen = prompt_mask | (output_counts > 0)
+    rp = repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rp, logits * rp)
+    logits.copy_(torch.where(seen, penalized, logits))
+    logits -= frequency.unsqueeze(1) * output_counts.to(logits.dtype)
+    logits -= presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+    return logits

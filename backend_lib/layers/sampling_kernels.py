@@ -1,0 +1,286 @@
+"""Triton kernels (CUDA) for the sampler and the penalties: the same functions as the torch
+definitions in sampler.py / penalties.py, without sorting the vocabulary and without
+[rows x vocab] temporaries.
+
+One program per row, so each row pays only for its own filters:
+
+- greedy row: one pass (argmax).
+- temperature row: one pass (argmax of z + gumbel, the noise hashed in registers).
+- filtered row (min_p / top-k / top-p): the first pass also tracks max z, the softmax mass
+  and the Gumbel winner over the whole vocabulary. Gumbel-max over the kept set equals the
+  unfiltered winner whenever that winner is kept, and is kept iff fewer than top_k tokens and
+  less than top_p of the mass lie strictly above it (one more pass; min_p needs none). Only
+  rows whose winner falls outside the kept set search the exact threshold: passes that count
+  the mass above 16 pivots at once narrow the interval holding the boundary until it holds
+  at most SCRATCH tokens, which are gathered and sorted in registers (the same prefix rule
+  as the sort-based definition), then one pass draws the winner over the kept tokens.
+
+Rounding: z = logits / temperature is IEEE division (as in torch); exp/log are the GPU's,
+so scores may differ from torch's in the last bits (near-ties can break differently).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # CUDA builds of torch ship Triton; the CPU build does not (the torch path runs there)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+BLOCK = 1024
+PIVOTS = 16          # thresholds evaluated per search pass (the interval shrinks 15x a pass)
+SCRATCH = 2048       # boundary tokens resolved by sorting in registers
+MAX_ROUNDS = 12      # search passes before giving up on exactness (ties): keep the interval
+
+
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+    @triton.jit
+    def _hash32(x):
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _gumbel(key, idx):
+        # key: uint32 scalar, idx: int32 block -> Gumbel noise, bit-equal uniforms to torch's.
+        h = _hash32(key * 0x01000193 + idx.to(tl.uint32))
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _search(row_ptr, V, T, M, lo, hi, target, scratch_ptr,
+                BY_COUNT: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+                SCRATCH: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+        """The largest z value t >= lo with F(t) >= target, F(t) = count (BY_COUNT) or
+        softmax mass (relative to exp(M)) of {z >= t}. Invariant: F(lo) >= target."""
+        j = tl.arange(0, PIVOTS)
+        c_in = SCRATCH + 1     # tokens in [lo, hi); > SCRATCH: keep narrowing
+        c_hi = 0               # count of {z >= hi}
+        w_hi = 0.0             # mass of {z >= hi}
+        done = lo >= hi
+        thr = lo
+        r = 0
+        while (r < MAX_ROUNDS) & (c_in > SCRATCH) & (done == 0):
+            piv = lo + (hi - lo) * (j.to(tl.float32) / (PIVOTS - 1))
+            piv = tl.where(j == PIVOTS - 1, hi, piv)
+            cnt = tl.zeros([PIVOTS], dtype=tl.int32)
+            mass = tl.zeros([PIVOTS], dtype=tl.float32)
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+                z = tl.math.div_rn(x, T)
+                ge = z[:, None] >= piv[None, :]
+                cnt += tl.sum(ge.to(tl.int32), axis=0)
+                mass += tl.sum(tl.where(ge, tl.exp(z - M)[:, None], 0.0), axis=0)
+            if BY_COUNT:
+                ok = cnt >= target
+            else:
+                ok = mass >= target
+            js = tl.max(tl.where(ok, j, 0), axis=0)
+            no_op = tl.sum(tl.where(j == 0, ok.to(tl.int32), 0), axis=0) == 0
+            at_max = js == PIVOTS - 1
+            js = tl.minimum(js, PIVOTS - 2)
+            new_lo = tl.sum(tl.where(j == js, piv, 0.0), axis=0)
+            new_hi = tl.sum(tl.where(j == js + 1, piv, 0.0), axis=0)
+            c_lo = tl.sum(tl.where(j == js, cnt, 0), axis=0)
+            c_hi = tl.sum(tl.where(j == js + 1, cnt, 0), axis=0)
+            w_hi = tl.sum(tl.where(j == js + 1, mass, 0.0), axis=0)
+            c_in = c_lo - c_hi
+            thr = new_lo
+            if r == 0:
+                # F(lo) < target: the filter keeps the whole domain (e.g. top_k >= its size).
+                # hi is the row's max on the first pass: F(max) >= target keeps only the max.
+                thr = tl.where(no_op, lo, tl.where(at_max, hi, new_lo))
+                done = no_op | at_max
+            lo = new_lo
+            hi = new_hi
+            r += 1
+        if (done == 0) & (c_in <= SCRATCH):
+            # Gather the boundary interval's tokens, sort them, apply the prefix rule.
+            base = 0
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+                z = tl.math.div_rn(x, T)
+                inside = (z >= lo) & (z < hi)
+                pos = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+                tl.store(scratch_ptr + pos, z, mask=inside & (pos < SCRATCH))
+                base += tl.sum(inside.to(tl.int32), axis=0)
+            tl.debug_barrier()
+            o = tl.arange(0, SCRATCH)
+            v = tl.load(scratch_ptr + o, mask=o < c_in, other=float("-inf"))
+            v = tl.sort(v, 0, descending=True)
+            if BY_COUNT:
+                i = tl.minimum(tl.maximum(target.to(tl.int32) - c_hi - 1, 0), c_in - 1)
+            else:
+                e = tl.where(o < c_in, tl.exp(v - M), 0.0)
+                before = w_hi + tl.cumsum(e, axis=0) - e
+                n_keep = tl.sum(((o < c_in) & (before < target)).to(tl.int32), axis=0)
+                i = tl.maximum(n_keep - 1, 0)
+            thr = tl.sum(tl.where(o == i, v, 0.0), axis=0)
+        return thr
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, stride, V, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, key_ptr,
+                       out_ptr, scratch_ptr,
+                       USE_FILTERS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+                       SCRATCH: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+        row = tl.program_id(0)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride
+        T = tl.load(temp_ptr + row)
+        ninf = float("-inf")
+        tok = tl.zeros((), dtype=tl.int32)
+        if T > 0:
+            key = tl.load(key_ptr + row).to(tl.uint32)
+            best = tl.full((), ninf, tl.float32)
+            m = tl.full((), ninf, tl.float32)
+            zsum = tl.zeros((), dtype=tl.float32)
+            zmin = tl.full((), float("inf"), tl.float32)
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                inb = offs < V
+                x = tl.load(row_ptr + offs, mask=inb, other=ninf)
+                z = tl.math.div_rn(x, T)
+                s = tl.where(inb, z + _gumbel(key, offs), ninf)
+                bs = tl.max(s, axis=0)
+                bi = tl.argmax(s, axis=0) + start
+                tok = tl.where(bs > best, bi, tok)
+                best = tl.maximum(best, bs)
+                if USE_FILTERS:
+                    m_new = tl.maximum(m, tl.max(z, axis=0))
+                    alpha = tl.where(m_new > ninf, tl.exp(m - m_new), 1.0)
+                    zsum = zsum * alpha + tl.sum(tl.where(z > ninf, tl.exp(z - m_new), 0.0), axis=0)
+                    m = m_new
+                    zmin = tl.minimum(zmin, tl.min(tl.where(z > ninf, z, float("inf")), axis=0))
+            if USE_FILTERS:
+                k = tl.load(top_k_ptr + row).to(tl.int32)
+                p = tl.load(top_p_ptr + row)
+                mp = tl.load(min_p_ptr + row)
+                k_on = (k > 0) & (k < V)
+                p_on = p < 1.0
+                mp_on = mp > 0.0
+                if k_on | p_on | mp_on:
+                    t_m = tl.where(mp_on, m + tl.log(tl.maximum(mp, 1e-30)), ninf)
+                    z_s = tl.math.div_rn(tl.load(row_ptr + tok), T)
+                    kept = z_s >= t_m
+                    mass_s = zsum
+                    if k_on | p_on:
+                        # Is the unfiltered winner kept? Count and mass strictly above it.
+                        c_gt = tl.zeros((), dtype=tl.int32)
+                        w_gt = tl.zeros((), dtype=tl.float32)
+                        w_all = tl.zeros((), dtype=tl.float32)
+                        for start in range(0, V, BLOCK):
+                            offs = start + tl.arange(0, BLOCK)
+                            x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                            z = tl.math.div_rn(x, T)
+                            e = tl.where(z >= t_m, tl.exp(z - m), 0.0)
+                            gt = (z > z_s) & (z >= t_m)
+                            c_gt += tl.sum(gt.to(tl.int32), axis=0)
+                            w_gt += tl.sum(tl.where(gt, e, 0.0), axis=0)
+                            w_all += tl.sum(e, axis=0)
+                        mass_s = w_all
+                        kept = kept & ((k_on == 0) | (c_gt < k))
+                        # top-p after top-k renormalizes over the top-k set: decided by the search.
+                        kept = kept & ((p_on == 0) | ((k_on == 0) & (w_gt < p * w_all)))
+                    if kept == 0:
+                        thr = tl.maximum(t_m, zmin)
+                        if k_on:
+                            thr = _search(row_ptr, V, T, m, thr, m, k.to(tl.float32),
+                                          scratch_ptr + row.to(tl.int64) * SCRATCH,
+                                          True, BLOCK, PIVOTS, SCRATCH, MAX_ROUNDS)
+                            if p_on:
+                                w = tl.zeros((), dtype=tl.float32)
+                                for start in range(0, V, BLOCK):
+                                    offs = start + tl.arange(0, BLOCK)
+                                    x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                                    z = tl.math.div_rn(x, T)
+                                    w += tl.sum(tl.where(z >= thr, tl.exp(z - m), 0.0), axis=0)
+                                mass_s = w
+                        if p_on:
+                            tl.debug_barrier()
+                            thr = _search(row_ptr, V, T, m, thr, m, p * mass_s,
+                                          scratch_ptr + row.to(tl.int64) * SCRATCH,
+                                          False, BLOCK, PIVOTS, SCRATCH, MAX_ROUNDS)
+                        best = tl.full((), ninf, tl.float32)
+                        for start in range(0, V, BLOCK):
+                            offs = start + tl.arange(0, BLOCK)
+                            inb = offs < V
+                            x = tl.load(row_ptr + offs, mask=inb, other=ninf)
+                            z = tl.math.div_rn(x, T)
+                            s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
+                            bs = tl.max(s, axis=0)
+                            bi = tl.argmax(s, axis=0) + start
+                            tok = tl.where(bs > best, bi, tok)
+                            best = tl.maximum(best, bs)
+        else:
+            best = tl.full((), ninf, tl.float32)
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                bs = tl.max(x, axis=0)
+                bi = tl.argmax(x, axis=0) + start
+                tok = tl.where(bs > best, bi, tok)
+                best = tl.maximum(best, bs)
+        tl.store(out_ptr + row, tok.to(tl.int64))
+
+    @triton.jit
+    def _penalty_kernel(logits_ptr, stride, V, slot_ptr, counts_ptr, prompt_ptr, table_stride,
+                        rep_ptr, pres_ptr, freq_ptr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        slot = tl.load(slot_ptr + row)
+        rp = tl.load(rep_ptr + slot)
+        pres = tl.load(pres_ptr + slot)
+        freq = tl.load(freq_ptr + slot)
+        if (rp != 1.0) | (pres != 0.0) | (freq != 0.0):
+            row_ptr = logits_ptr + row.to(tl.int64) * stride
+            c_ptr = counts_ptr + slot.to(tl.int64) * table_stride
+            p_ptr = prompt_ptr + slot.to(tl.int64) * table_stride
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                inb = offs < V
+                x = tl.load(row_ptr + offs, mask=inb, other=0.0)
+                c = tl.load(c_ptr + offs, mask=inb, other=0)
+                seen = (c > 0) | (tl.load(p_ptr + offs, mask=inb, other=0) != 0)
+                x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, rp), x * rp), x)
+                x = x - freq * c.to(tl.float32) - pres * (c > 0).to(tl.float32)
+                tl.store(row_ptr + offs, x, mask=inb)
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(n: int, device: str) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.float32, device=device)
+
+
+def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool) -> torch.Tensor:
+    """The Triton sampler: (masked) logits [S, V] f32 -> ids [S] int64 (sampler.py's function)."""
+    from .sampler import row_keys
+    s, v = logits.shape
+    logits = logits.contiguous()
+    keys = row_keys(st.seed, st.position)
+    out = torch.empty(s, dtype=torch.int64, device=logits.device)
+    min_p = st.min_p if st.min_p is not None else _zeros(s, str(logits.device))[:s]
+    scratch = torch.empty(s * SCRATCH if use_filters else 1, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(s,)](logits, logits.stride(0), v, st.temperature.contiguous(), st.top_k.contiguous(),
+                         st.top_p.contiguous(), min_p.contiguous(), keys, out, scratch,
+                         USE_FILTERS=use_filters, BLOCK=BLOCK, PIVOTS=PIVOTS, SCRATCH=SCRATCH,
+                         MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
+    return out
+
+
+def apply_penalties_kernel(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                           prompt_mask: torch.Tensor, rep: torch.Tensor, pres: torch.Tensor,
+                           freq: torch.Tensor) -> torch.Tensor:
+    """In place on contiguous logits [S, V]; per-slot tables indexed by `slots`."""
+    s, v = logits.shape
+    _penalty_kernel[(s,)](logits, logits.stride(0), v, slots, counts, prompt_mask.view(torch.uint8),
+                          counts.stride(0), rep, pres, freq, BLOCK=BLOCK, num_warps=4)
+    return logits
