@@ -232,5 +232,5 @@ def test_churn_with_forced_preemptions_async_equals_sync(tiny_llama_path, budget
     assert asyn_log.graphs.steps_reused > 30, asyn_log.graphs.steps_reused
     assert asyn_log.host_id_then_same_rows() >= 2, asyn_log.host_id_then_same_rows()
     # Every sampling variant ran through the graphs.
-    assert asyn_log.variants == sync_log.variants == {(True, False), (False, False), (False, True)}
+    assert asyn_log.variants == sync_log.variants == {(True, False, False), (False, False, False), (False, True, False)}
     assert {s.rid: sync.results[s.rid].tokens for s in specs} == {s.rid: asyn.results[s.rid].tokens for s in specs}

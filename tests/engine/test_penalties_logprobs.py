@@ -292,3 +292,23 @@ def test_async_equals_sync_with_penalties_under_churn(path, budget):
             for x, y in zip(a.logprobs, b.logprobs):
                 worst = max([worst] + [abs(x[t] - y[t]) for t in x])
     assert worst < 1e-4, worst
+
+
+@pytest.mark.parametrize("async_mode", ["off", "on"])
+def test_graph_programs_with_penalties_and_logprobs(path, async_mode):
+    """Decode through the CPU stand-ins of the CUDA graphs (the full and the logprobs
+    variants, static [B, C] outputs, saved-metadata reuse) = the eager program's outputs."""
+    prompts = _prompts(6, seed=8)
+    params = [SamplingParams(max_tokens=14, temperature=0.0 if i % 2 else 1.4, seed=i, ignore_eos=True,
+                             logprobs=[None, 2, 5][i % 3], **PENALTIES[i]) for i in range(6)]
+    eager = make_engine(path, async_token_handoff=async_mode).generate(prompts, params)
+    eng = make_engine(path, async_token_handoff=async_mode)
+    eng.runner.use_stand_in_graphs()
+    graphed = eng.generate(prompts, params)
+    g = eng.runner.decode_graphs
+    assert g.steps_uploaded > 0 and (g.steps_reused > 0 or async_mode == "off")
+    for a, b in zip(eager, graphed):
+        assert a.token_ids == b.token_ids
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for x, y in zip(a.logprobs or [], b.logprobs or []):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
