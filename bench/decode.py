@@ -5,8 +5,16 @@ token handoff), one run, one table per model.
     python -m bench.decode --device cuda --out-dir $OUT      # H200: both presets, batch 1/8/64/256 (~5-7 min)
     python -m bench.decode --device cuda --preset llama-3-8b --batches 1,8,64 --out /tmp/8b.json
     python -m bench.decode --model /path/to/hf/checkpoint --device cuda --dtype bfloat16
+    python -m bench.decode --device cuda --preset qwen2.5-0.5b --impls async --batches 1,64,256 \
+        --sampling greedy,temperature,top_p,logprobs              # issue 14's sampler rows
 
-What is measured (greedy, ignore EOS, every request of a batch has the same prompt length):
+What is measured (greedy unless --sampling, ignore EOS, every request of a batch has the
+same prompt length):
+
+* --sampling (our engine only; HF rows stay greedy): a comma list of SAMPLING_MODES, each
+  measured on the same engine for every batch, with a "x greedy" column: greedy; temperature
+  (0.7); top_p (temperature 0.7 + top_p 0.9); logprobs (greedy + the top-5 raw logprobs).
+  Sampled modes are seeded per request (seed = batch * 1000 + index).
 
 * decode throughput only, prefill excluded. For each implementation the clock starts when the
   host has the FIRST output token of every request of the batch and stops when it has the
@@ -83,6 +91,24 @@ class Row:
     steps: Optional[int] = None
     note: str = ""
     extra: dict = field(default_factory=dict)
+    sampling: str = "greedy"   # a SAMPLING_MODES key
+
+
+# --sampling modes: SamplingParams keywords (a seed per request is added to sampled modes).
+SAMPLING_MODES = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.7),
+    "top_p": dict(temperature=0.7, top_p=0.9),
+    "logprobs": dict(temperature=0.0, logprobs=5),
+}
+
+
+def sampling_params(mode: str, max_tokens: int, batch: int, index: int):
+    from backend_lib import SamplingParams
+    kw = dict(SAMPLING_MODES[mode])
+    if kw["temperature"] > 0:
+        kw["seed"] = batch * 1000 + index
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 # ---- models --------------------------------------------------------------------------------------
@@ -242,7 +268,7 @@ def bench_hf(spec: ModelSpec, args) -> list[Row]:
 def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = None) -> list[Row]:
     """timeline: {"batch": B, "steps": N, "skip": K, "lanes": dict} to record N steady decode
     steps of batch B (CUDA events of each step) into lanes[impl]."""
-    from backend_lib import EngineConfig, LLMEngine, SamplingParams
+    from backend_lib import EngineConfig, LLMEngine
     from bench._timeline import StepRecorder
 
     name = spec.name
@@ -265,15 +291,15 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
         assert eng.async_enabled, eng.decision
     emulated = bool(getattr(eng.decision, "emulated", False))
     rows = []
-    for b in args.batch_list:
+    for b, smode in [(b, m) for b in args.batch_list for m in args.sampling_list]:
         prompts = _prompts(b, args.prompt_len, eng.vocab_size, seed=b)
         window = 0.0
-        record = (timeline is not None and args.device == "cuda" and b == timeline["batch"])
+        record = (timeline is not None and args.device == "cuda" and b == timeline["batch"]
+                  and smode == args.sampling_list[0])
         for rep in range(2):  # warm-up with the same shapes, then measured
-            sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-            rids = [f"{mode}-{b}-{rep}-{i}" for i in range(b)]
-            for rid, p in zip(rids, prompts):
-                eng.add_request(rid, p, sp)
+            rids = [f"{mode}-{smode}-{b}-{rep}-{i}" for i in range(b)]
+            for i, (rid, p) in enumerate(zip(rids, prompts)):
+                eng.add_request(rid, p, sampling_params(smode, args.output_len, b, i))
             got = {rid: 0 for rid in rids}
             while sum(1 for v in got.values() if v > 0) < b:
                 for o in eng.step():
@@ -303,7 +329,8 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
         dec = b * (args.output_len - 1)
         row = Row(name, b, impl, window / (args.output_len - 1) * 1e3, dec / window, dec, window,
                   host_ms_per_step=host / max(steps, 1) * 1e3, steps=steps,
-                  extra={"async_token_handoff": mode, "emulated": emulated, "engine_init_s": round(t_init, 1)})
+                  extra={"async_token_handoff": mode, "emulated": emulated, "engine_init_s": round(t_init, 1)},
+                  sampling=smode)
         if args.device == "cuda":
             row.gpu_busy = max(0.0, 1.0 - sum(gaps) / 1e6 / window)
             row.gap_p50_us = _pct(gaps, 0.5)
@@ -323,8 +350,8 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
 # ---- output ----------------------------------------------------------------------------------------------
 
 def _progress(row: Row) -> None:
-    print(f"  {row.impl:13s} batch {row.batch:4d}: TPOT {row.tpot_ms:8.3f} ms  {row.tok_s:10.1f} tok/s",
-          file=sys.stderr, flush=True)
+    print(f"  {row.impl:13s} {row.sampling:11s} batch {row.batch:4d}: TPOT {row.tpot_ms:8.3f} ms  "
+          f"{row.tok_s:10.1f} tok/s", file=sys.stderr, flush=True)
 
 
 def _fmt(v, spec: str, scale: float = 1.0) -> str:
@@ -336,20 +363,27 @@ _ORDER = {"hf generate": 0, "hf cb": 1, "engine sync": 2, "engine async": 3}
 
 def markdown_table(rows: list[Row], cuda: bool) -> str:
     hf = {(r.model, r.batch): r for r in rows if r.impl == "hf generate" and r.tok_s}
-    head = ["model", "batch", "impl", "TPOT ms", "output tok/s", "x HF"]
+    greedy = {(r.model, r.batch, r.impl): r for r in rows if r.sampling == "greedy" and r.tpot_ms}
+    sampled = any(r.sampling != "greedy" for r in rows)
+    head = ["model", "batch", "impl"] + (["sampling", "x greedy TPOT"] if sampled else []) + \
+        ["TPOT ms", "output tok/s", "x HF"]
     if cuda:
         head += ["GPU busy %", "idle gap p50 µs", "idle gap p99 µs"]
     head += ["host ms/step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for r in sorted(rows, key=lambda r: (r.batch, _ORDER.get(r.impl, 9))):
+    for r in sorted(rows, key=lambda r: (r.batch, _ORDER.get(r.impl, 9), list(SAMPLING_MODES).index(r.sampling))):
         impl = r.impl + (" (emulated)" if r.extra.get("emulated") else "")
+        lead = [r.model, str(r.batch), impl]
+        if sampled:
+            g = greedy.get((r.model, r.batch, r.impl))
+            lead += [r.sampling, f"{r.tpot_ms / g.tpot_ms:.3f}" if (g and r.tpot_ms) else "-"]
         if r.tok_s is None:
-            cells = [r.model, str(r.batch), impl, r.note or "n/a"] + ["-"] * (len(head) - 4)
+            cells = lead + [r.note or "n/a"] + ["-"] * (len(head) - len(lead) - 1)
             lines.append("| " + " | ".join(cells) + " |")
             continue
         base = hf.get((r.model, r.batch))
-        cells = [r.model, str(r.batch), impl, f"{r.tpot_ms:.3f}", f"{r.tok_s:.1f}",
-                 f"{r.tok_s / base.tok_s:.2f}" if base else "-"]
+        cells = lead + [f"{r.tpot_ms:.3f}", f"{r.tok_s:.1f}",
+                        f"{r.tok_s / base.tok_s:.2f}" if (base and r.sampling == "greedy") else "-"]
         if cuda:
             cells += [_fmt(r.gpu_busy, ".1f", 100.0), _fmt(r.gap_p50_us, ".1f"), _fmt(r.gap_p99_us, ".1f")]
         cells += [_fmt(r.host_ms_per_step, ".3f")]
@@ -387,6 +421,8 @@ def parse_args(argv=None):
     ap.add_argument("--impls", default=None,
                     help="comma list of hf (generate), cb (generate_batch), sync, async; "
                          "default hf,sync,async on CPU (CB sizes its cache slowly there), hf,cb,sync,async on CUDA")
+    ap.add_argument("--sampling", default="greedy",
+                    help=f"comma list of {', '.join(SAMPLING_MODES)}: our engine's rows for each (HF stays greedy)")
     ap.add_argument("--pp", type=int, default=1,
                     help="pipeline_parallel_size of our engine (one GPU per stage: issue 6's two-GPU run)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU)")
@@ -421,6 +457,10 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--preset: unknown {sorted(bad)} (choose from {PRESETS})")
     args.batch_list = [int(x) for x in (args.batches or ("1,8,64,256" if cuda else "1,8,64")).split(",") if x.strip()]
+    args.sampling_list = [x.strip() for x in args.sampling.split(",") if x.strip()]
+    bad = set(args.sampling_list) - set(SAMPLING_MODES)
+    if bad or not args.sampling_list:
+        ap.error(f"--sampling: unknown {sorted(bad)} (choose from {', '.join(SAMPLING_MODES)})")
     args.impl_list = [x.strip() for x in (args.impls or ("hf,cb,sync,async" if cuda else "hf,sync,async")).split(",")
                       if x.strip()]
     bad = set(args.impl_list) - {"hf", "cb", "sync", "async"}
@@ -455,7 +495,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     meta = {"device": args.device, "models": [m.name for m in models], "dtype": args.dtype,
             "prompt_len": args.prompt_len, "output_len": args.output_len, "batches": args.batch_list,
-            "impls": args.impl_list, "hf_compile": args.hf_compile,
+            "impls": args.impl_list, "sampling": args.sampling_list, "hf_compile": args.hf_compile,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "host": platform.node(),
             "gpu": torch.cuda.get_device_name() if cuda else None}
     try:
@@ -518,7 +558,7 @@ def main(argv=None) -> int:
 
     # The tables last.
     print(f"\nDecode throughput, {args.device}{' (' + meta['gpu'] + ')' if meta['gpu'] else ''}, {args.dtype}, "
-          f"prompt {args.prompt_len}, output {args.output_len}, greedy, ignore_eos; prefill excluded; "
+          f"prompt {args.prompt_len}, output {args.output_len}, sampling {','.join(args.sampling_list)}, ignore_eos; prefill excluded; "
           f"HF generate {'static cache, ' + ('compiled' if args.hf_compile else 'eager') if cuda else 'dynamic cache'}; "
           f"run took {meta['elapsed_s']:.0f} s")
     for n in notes:
