@@ -99,6 +99,13 @@ class SamplingFields:
     bad_token_ids: list[int] = field(default_factory=list)
     stop_sequences: list[list[int]] = field(default_factory=list)
     ignore_eos: bool = False
+    # Penalties, min_p, logprobs, n: SamplingParams' names and neutral defaults.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logprobs: Optional[int] = None   # None: no logprobs; N: the sampled token's + the top-N
+    n: int = 1
 
     def to_params(self, default_max_tokens: int = 16, default_temperature: float = 1.0):
         from backend_lib import SamplingParams
@@ -113,6 +120,12 @@ class SamplingFields:
             bad_token_ids=list(self.bad_token_ids),
             stop_sequences=[list(q) for q in self.stop_sequences],
             ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            min_p=self.min_p,
+            logprobs=self.logprobs,
+            n=self.n,
         )
 
 
