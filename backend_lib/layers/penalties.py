@@ -43,12 +43,14 @@ class PenaltyState:
         # every write is then True, so duplicates don't race.
         scratch = torch.full_like(slot, self.counts.shape[0] - 1)
         self.prompt_mask[torch.where(is_out, scratch, slot), tok] = True
-        self.counts.index_put_((slot, tok), is_out.to(torch.int32), accumulate=True)
+        self.counts.view(-1).scatter_add_(0, slot * self.vocab + tok, is_out.to(torch.int32))
 
     def count_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """In the step, right after sampling: slots [S] (scratch slot for rows that don't
         sample), tokens [S]."""
-        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        # scatter_add on the flat table: plain atomics, capturable in a CUDA graph.
+        flat = slots * self.vocab + tokens
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def apply_(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """In place on logits [S, V] (rows gather their slot's state)."""

@@ -50,6 +50,14 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
+    def _row_key(seed, position):
+        # sampler.row_keys in uint32: hash(hash(seed low) ^ seed high ^ hash(position + phi)).
+        lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        hi = (seed >> 32).to(tl.uint32)
+        p = ((position + 0x9E3779B9) & 0xFFFFFFFF).to(tl.uint32)
+        return _hash32(_hash32(lo) ^ hi ^ _hash32(p))
+
+    @triton.jit
     def _gumbel(key, idx):
         # key: uint32 scalar, idx: int32 block -> Gumbel noise, bit-equal uniforms to torch's.
         h = _hash32(key * 0x01000193 + idx.to(tl.uint32))
@@ -130,7 +138,7 @@ if triton is not None:
         return thr
 
     @triton.jit
-    def _sample_kernel(logits_ptr, stride, V, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, key_ptr,
+    def _sample_kernel(logits_ptr, stride, V, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr,
                        out_ptr, scratch_ptr,
                        USE_FILTERS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
                        SCRATCH: tl.constexpr, MAX_ROUNDS: tl.constexpr):
@@ -140,7 +148,7 @@ if triton is not None:
         ninf = float("-inf")
         tok = tl.zeros((), dtype=tl.int32)
         if T > 0:
-            key = tl.load(key_ptr + row).to(tl.uint32)
+            key = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
             best = tl.full((), ninf, tl.float32)
             m = tl.full((), ninf, tl.float32)
             zsum = tl.zeros((), dtype=tl.float32)
@@ -262,15 +270,14 @@ def _zeros(n: int, device: str) -> torch.Tensor:
 
 def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool) -> torch.Tensor:
     """The Triton sampler: (masked) logits [S, V] f32 -> ids [S] int64 (sampler.py's function)."""
-    from .sampler import row_keys
     s, v = logits.shape
     logits = logits.contiguous()
-    keys = row_keys(st.seed, st.position)
     out = torch.empty(s, dtype=torch.int64, device=logits.device)
     min_p = st.min_p if st.min_p is not None else _zeros(s, str(logits.device))[:s]
     scratch = torch.empty(s * SCRATCH if use_filters else 1, dtype=torch.float32, device=logits.device)
     _sample_kernel[(s,)](logits, logits.stride(0), v, st.temperature.contiguous(), st.top_k.contiguous(),
-                         st.top_p.contiguous(), min_p.contiguous(), keys, out, scratch,
+                         st.top_p.contiguous(), min_p.contiguous(), st.seed.contiguous(), st.position.contiguous(),
+                         out, scratch,
                          USE_FILTERS=use_filters, BLOCK=BLOCK, PIVOTS=PIVOTS, SCRATCH=SCRATCH,
                          MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
     return out

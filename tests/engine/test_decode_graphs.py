@@ -68,7 +68,7 @@ def _row(slot, pos, host_id=None):
 def test_reuse_only_after_an_all_relay_upload():
     seen = []
 
-    def program(meta, greedy, masks):  # records what the graph reads; keeps the contract
+    def program(meta, greedy, masks, logprobs=False):  # records what the graph reads; keeps the contract
         seen.append(meta.packed.clone())
         meta.pos.add_(meta.slot >= 0)
         return torch.zeros(meta.slot.shape[0], dtype=torch.int64)

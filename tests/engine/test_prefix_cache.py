@@ -134,10 +134,10 @@ def test_cache_hit_after_a_stop_with_overshoot(path, async_mode, block_pos):
     overshoot = []
     orig_update = eng.scheduler.update
 
-    def watch_update(sched, sampled):
+    def watch_update(sched, sampled, logprobs=None):
         # The stop is found while the next step (the lookahead past it) is in flight.
         live = [r.request for r in sched.rows if not r.request.is_finished]
-        outs = orig_update(sched, sampled)
+        outs = orig_update(sched, sampled, logprobs)
         overshoot.extend((bool(eng._inflight), r.num_computed_tokens, r.num_tokens) for r in live if r.is_finished)
         return outs
 
