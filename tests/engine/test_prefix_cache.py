@@ -268,3 +268,26 @@ def test_bench_prefix_cache_smoke(tmp_path, path):
     assert doc["on"]["hit_tokens"] == 3 * 32 and doc["on"]["queried_tokens"] == 4 * 48
     assert doc["on"]["prefill_tokens"] == 4 * 48 - 3 * 32
     assert doc["identical_outputs"] == 4
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_n4_request_shares_the_prompt_blocks(path, caching):
+    """SamplingParams(n=4) through the engine API: the 4 sequences hold the prompt's 6 full
+    blocks once (reference count 4) and each its own partial prompt block."""
+    from backend_lib import SamplingParams
+    prompt = random_prompt(random.Random(13), 100)
+    eng = make_engine(path, enable_prefix_caching=caching)
+    eng.add_request("n4", prompt, SamplingParams(n=4, max_tokens=20, temperature=0.0, ignore_eos=True))
+    checked = False
+    while eng.has_unfinished():
+        eng.step()
+        check_block_invariants(eng)
+        seqs = list(eng.scheduler.requests.values())
+        if len(seqs) == 4 and all(s.num_computed_tokens > 100 for s in seqs):
+            shared = seqs[0].block_ids[:6]
+            assert all(s.block_ids[:6] == shared for s in seqs)
+            assert all(eng.scheduler.blocks.ref_count(b) == 4 for b in shared)
+            assert eng.stats().kv_blocks_used == sum(len(s.block_ids) for s in seqs) - 3 * 6
+            checked = True
+    assert checked
+    _all_free_or_cached(eng)
