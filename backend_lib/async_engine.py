@@ -249,16 +249,27 @@ class AsyncEngine:
             steps.append(nxt)
         if len(steps) == 1:
             return outs, stop_at
-        latest: dict[str, RequestOutput] = {}
-        tokens: dict[str, list[int]] = {}
+        # Keyed by (request id, sequence index): n > 1 sequences share the request id.
+        latest: dict[tuple[str, int], RequestOutput] = {}
+        tokens: dict[tuple[str, int], list[int]] = {}
+        logprobs: dict[tuple[str, int], list] = {}
+        done: set[str] = set()
         for step in steps:
             for out in step:
-                prev = latest.get(out.request_id)
-                if prev is not None and prev.finished:
+                if out.request_id in done:
                     continue  # nothing after a request's final output
-                latest[out.request_id] = out
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        return [dataclasses.replace(o, new_token_ids=tokens[rid]) for rid, o in latest.items()], stop_at
+                key = (out.request_id, out.index)
+                latest[key] = out
+                tokens.setdefault(key, []).extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    logprobs.setdefault(key, []).extend(out.new_logprobs)
+                if out.finished:
+                    done.add(out.request_id)
+        merged = [dataclasses.replace(o, new_token_ids=tokens[k], new_logprobs=logprobs.get(k, o.new_logprobs))
+                  for k, o in latest.items()]
+        # A request's final output goes after its other sequences' (delivery ends the stream).
+        merged.sort(key=lambda o: o.finished)
+        return merged, stop_at
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
