@@ -9,9 +9,11 @@ Threads (per model instance):
 Every request gets exactly one FINAL: from the dispatcher (normal end, abort, engine error),
 or from execute itself when the request is rejected before reaching the engine.
 """
+import heapq
 import http.client
 import itertools
 import json
+import operator
 import os
 import sys
 import threading
@@ -35,6 +37,10 @@ from triton_glue.trtllm import parse_token_requests  # noqa: E402
 from triton_glue.metrics import EngineMetrics  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# is_cancelled() polls a second, all requests together: at 256 streams and cancel_poll_ms 20 a
+# poll of each would cost as many server round trips as the responses themselves.
+CANCEL_POLLS_PER_S = 1000
+_LAST_CANCEL_CHECK = operator.attrgetter("last_cancel_check")
 FINALIZE_TIMEOUT_S = 5.0  # engine stop + final outputs, well inside the launcher's exit timeout
 
 
@@ -74,7 +80,7 @@ def _error_response(message, in_band):
 class _Inflight:
     __slots__ = ("rid", "group", "batch_index", "batch_size", "stream", "exclude_input", "prompt",
                  "tail", "first_sent", "ret_in", "ret_out", "pending", "t_arrival", "t_first",
-                 "t_last", "n_out", "cancelled")
+                 "t_last", "n_out", "cancelled", "last_cancel_check")
 
     def __init__(self, rid, group, req):
         self.rid = rid
@@ -94,6 +100,7 @@ class _Inflight:
         self.t_last = None
         self.n_out = 0
         self.cancelled = False
+        self.last_cancel_check = 0.0
 
 
 class TritonPythonModel:
@@ -345,11 +352,15 @@ class TritonPythonModel:
             if now >= next_ready:
                 next_ready = now + 0.5
                 self._watch_readiness()
-            # The only cancellation poll (each is_cancelled() is a round trip to the server):
-            # one pass over what is in flight per interval, none from the sender's path.
+            # The only cancellation poll (each is_cancelled() is a round trip to the server that
+            # competes with the sender): one pass per interval, at most CANCEL_POLLS_PER_S a
+            # second in all, the longest-unpolled requests first.
             with self._lock:
-                todo = [c for c in self._inflight.values() if not c.cancelled]
+                live = [c for c in self._inflight.values() if not c.cancelled]
+            budget = max(1, int(self.cancel_poll_s * CANCEL_POLLS_PER_S))
+            todo = live if len(live) <= budget else heapq.nsmallest(budget, live, key=_LAST_CANCEL_CHECK)
             for ctx in todo:
+                ctx.last_cancel_check = now
                 try:
                     if self._is_cancelled(ctx):
                         self._cancel(ctx)
