@@ -117,3 +117,31 @@ def test_a_server_that_fails_to_load_is_reported_and_the_run_goes_on(tmp_path):
     assert sorted((r["path"], r["requests"], r["errors"]) for r in data["rows"]) == [
         ("in-process, async handoff off", 3, 0), ("in-process, async handoff on", 3, 0)]
     assert "FAILED: Triton bad:" in (tmp_path / "serve.md").read_text().splitlines()[0]
+
+
+def test_profile_tpot_spans_first_to_last_token_response(tmp_path):
+    """perf_analyzer's export with coalesced responses (several tokens in one output_ids, a bare
+    number for one, an empty FINAL): TPOT = (response with the last token - response with the
+    first) / (tokens - 1), TTFT to the first token-carrying response; a stream whose tokens
+    all came in one response has no spread to measure (TPOT 0: the client saw one burst)."""
+    from bench.serve import records_from_profile, row_from
+    ms = 1_000_000
+    empty = {"output_ids": "", "finish_reason": "length"}
+    reqs = [  # sent at t=0; tokens at 10 ms (1), 14 ms (3), 20 ms (2), FINAL at 21 ms
+        {"timestamp": 0, "request_inputs": {"max_tokens": 6},
+         "response_timestamps": [10 * ms, 14 * ms, 20 * ms, 21 * ms],
+         "response_outputs": [{"output_ids": 7}, {"output_ids": [1, 2, 3]}, {"output_ids": [4, 5]}, empty]},
+        {"timestamp": 0, "request_inputs": {"max_tokens": [6]},  # one burst of 6, then FINAL
+         "response_timestamps": [30 * ms, 31 * ms],
+         "response_outputs": [{"output_ids": [1, 2, 3, 4, 5, 6]}, empty]},
+    ]
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps({"experiments": [{"requests": reqs}]}))
+    a, b = records_from_profile(p)
+    assert (a.ntok, a.expected, a.responses, a.ok) == (6, 6, 4, True)
+    assert (a.t_first, a.t_last) == (0.010, 0.020)
+    assert (b.ntok, b.t_first, b.t_last) == (6, 0.030, 0.030)
+    row = row_from("Triton", "fixed", "greedy", 2, [a, b], None)
+    assert row["output_tokens"] == 12 and row["errors"] == 0
+    assert (row["ttft_ms_p50"], row["ttft_ms_p99"]) == (10.0, 30.0)  # nearest-rank percentiles
+    assert (row["tpot_ms_p50"], row["tpot_ms_p99"]) == (0.0, (20 - 10) / 5)  # b: one burst; a: 2 ms a token
