@@ -37,9 +37,11 @@ from triton_glue.trtllm import parse_token_requests  # noqa: E402
 from triton_glue.metrics import EngineMetrics  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# is_cancelled() polls a second, all requests together: at 256 streams and cancel_poll_ms 20 a
-# poll of each would cost as many server round trips as the responses themselves.
-CANCEL_POLLS_PER_S = 1000
+# is_cancelled() polls a second, all requests together. Each is a round trip to the server taken
+# with the GIL held (the engine loop waits meanwhile); a poll of every stream each cancel_poll_ms
+# would cost 12,800 of them a second at 256 streams. Cost: a cancel is seen within about
+# max(cancel_poll_ms, streams / CANCEL_POLLS_PER_S s) (256 streams: ~1 s).
+CANCEL_POLLS_PER_S = 250
 _LAST_CANCEL_CHECK = operator.attrgetter("last_cancel_check")
 FINALIZE_TIMEOUT_S = 5.0  # engine stop + final outputs, well inside the launcher's exit timeout
 
