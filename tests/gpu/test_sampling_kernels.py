@@ -174,7 +174,8 @@ def test_engine_on_cuda_kernels_equal_torch_path_sync_and_async(tiny_llama_path,
 
     def run(mode):
         eng = LLMEngine(EngineConfig(model_path=str(tiny_llama_path), device="cuda", dtype="float32",
-                                     max_num_seqs=32, max_model_len=256, async_token_handoff=mode))
+                                     max_num_seqs=32, max_model_len=256, num_kv_blocks=1024,
+                                     async_token_handoff=mode))
         assert eng.runner.graphs
         return eng.generate(prompts, params)
 
