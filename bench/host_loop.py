@@ -1,0 +1,301 @@
+"""Host time per engine step: what the engine thread spends in `LLMEngine.step()` that is not
+waiting on the device, at batch 1/64/256 of steady greedy decode; one table.
+
+    python -m bench.host_loop                          # CPU: tiny model, a no-math decode program
+    python -m bench.host_loop --profile 256            # + cProfile of the batch-256 steps
+    python -m bench.host_loop --device cuda --preset qwen2.5-0.5b --out $OUT/host_loop.json
+    # before/after in one run: an older backend_lib (e.g. `git archive <rev> backend_lib | tar -x -C DIR`)
+    python -m bench.host_loop --device cuda --preset qwen2.5-0.5b --compare DIR
+
+What is measured: B requests (distinct prompts, greedy, ignore_eos) are admitted and
+prefilled, a few decode steps run as warm-up, then `--steps` steady decode steps are timed.
+host µs/step = (time in step() - time blocked on step events) / steps, the same measure as
+bench/smoke_gpu.py and EngineStats. The columns split it by phase (wrapped calls):
+schedule (Scheduler.schedule), launch (ModelRunner.execute: table updates, packing, graph
+replay or eager launch, the D2H copy), update (Scheduler.update: tokens, stops, outputs) and
+the rest of step() (token readback, bookkeeping). µs/row = slope between the first and the
+last batch.
+
+* CPU (default): models/tiny-llama, and the decode graphs are CPU stand-ins (EagerGraph)
+  around a program that does no math (returns fixed token ids and advances the positions the
+  way the real program does), so the table is the engine's host work alone: the real
+  scheduler, the runner's packing and graph-reuse decision, the handoff, the update.
+* CUDA: the real model (--preset: random weights of that shape; or --model) and its captured
+  CUDA graphs; host time excludes the waits on step events, as on CPU.
+* --compare DIR: the same measurement twice in fresh processes, first with DIR/backend_lib
+  (the "before"), then with this checkout's, printed side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_BACKEND_ENV = "HOST_LOOP_BACKEND_DIR"  # the --compare child imports backend_lib from here
+
+if os.environ.get(_BACKEND_ENV):
+    sys.path.insert(0, os.environ[_BACKEND_ENV])
+
+
+def _null_decode_program(runner):
+    """A decode program with the real one's contract and none of its math: fixed token ids
+    out, real rows' positions advanced by one (decode_graphs.DecodeProgram)."""
+    import torch
+    from backend_lib.layers.logprobs import packed_width
+    cache: dict = {}
+
+    def program(meta, greedy, masks, logprobs=False):
+        b = meta.pos.shape[0]
+        out = cache.get((b, logprobs))
+        if out is None:
+            ids = torch.arange(b, dtype=torch.int64) % 500 + 10  # never a special id
+            out = ids if not logprobs else torch.zeros(b, packed_width(), dtype=torch.int64)
+            cache[(b, logprobs)] = out
+        meta.pos.add_(meta.slot >= 0)
+        return out
+
+    return program
+
+
+class _PhaseTimer:
+    """Wraps bound methods of one object to add their wall time to a named bucket."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+        totals = self.totals
+        totals.setdefault(name, 0.0)
+        clock = time.perf_counter
+
+        def timed(*a, **kw):
+            t = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[name] += clock() - t
+
+        setattr(obj, attr, timed)
+
+    def reset(self) -> None:
+        for k in self.totals:
+            self.totals[k] = 0.0
+
+
+def build_engine(args):
+    import torch
+    from backend_lib import EngineConfig, LLMEngine
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    kw = dict(device=args.device, dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"),
+              max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
+              max_num_batched_tokens=max(8192, max(args.batches) * args.prompt_len),
+              async_token_handoff=args.async_handoff)
+    if args.device == "cuda":
+        kw["gpu_memory_utilization"] = 0.5
+    if args.preset:
+        from bench.decode import write_preset_config
+        kw.update(model_path=write_preset_config(args.preset, tempfile.mkdtemp()), load_format="dummy")
+    else:
+        kw["model_path"] = args.model or str(REPO_ROOT / "models" / "tiny-llama")
+    if args.device == "cpu":
+        kw["num_kv_blocks"] = max(args.batches) * ((args.prompt_len + args.warmup + args.steps + 8) // 16 + 2) + 8
+    eng = LLMEngine(EngineConfig(**kw))
+    if args.device == "cpu":
+        eng.runner._decode_program = _null_decode_program(eng.runner)
+        eng.runner.use_stand_in_graphs()
+    return eng
+
+
+def measure_batch(eng, batch: int, args, profile: bool) -> dict:
+    from backend_lib import SamplingParams
+    total_new = args.warmup + args.steps + 4
+    for i in range(batch):
+        prompt = [(i * 131 + j * 7) % 700 + 10 for j in range(args.prompt_len)]
+        prompt[0] = 10 + (i % 600)  # distinct first token: no prefix-cache sharing between rows
+        prompt[1] = 10 + (i // 600)
+        eng.add_request(f"b{batch}-{i}", prompt,
+                        SamplingParams(max_tokens=total_new, temperature=0.0, ignore_eos=True))
+    first = 0
+    while first < batch:
+        first += sum(1 for o in eng.step() if o.num_output_tokens == 1 and o.new_token_ids)
+    for _ in range(args.warmup):
+        eng.step()
+    timer = eng._host_loop_timer
+    timer.reset()
+    s0 = eng.stats()
+    prof = cProfile.Profile() if profile else None
+    gc_before = _gen2_collections()
+    names = list(timer.totals)
+    per_step: dict[str, list[float]] = {k: [] for k in ["host"] + names}
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    for _ in range(args.steps):
+        before = dict(timer.totals)
+        st, wt = eng._step_s, eng._wait_s
+        eng.step()
+        per_step["host"].append((eng._step_s - st) - (eng._wait_s - wt))
+        for k in names:
+            per_step[k].append(timer.totals[k] - before[k])
+    if prof:
+        prof.disable()
+    wall = time.perf_counter() - t0
+    s1 = eng.stats()
+    gen = s1.generation_tokens_total - s0.generation_tokens_total
+    wait = s1.wait_time_s - s0.wait_time_s
+    n = args.steps
+    host = per_step.pop("host")
+    row = dict(batch=batch, steps=n, host_us=_median(host) * 1e6, host_mean_us=sum(host) / n * 1e6,
+               wall_us=wall / n * 1e6, wait_us=wait / n * 1e6, tokens_per_step=gen / n,
+               **{f"{k}_us": _median(v) * 1e6 for k, v in per_step.items()})
+    row["other_us"] = row["host_us"] - sum(row[f"{k}_us"] for k in names)
+    row["gen2_collections"] = _gen2_collections() - gc_before
+    # Finish the batch (not timed): the next batch starts from an empty engine.
+    for rid in list(eng.scheduler.requests):
+        eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    if prof:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile_top)
+        row["profile"] = s.getvalue()
+    return row
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0.0
+
+
+def _gen2_collections() -> int:
+    stats = gc.get_stats()
+    return stats[2]["collections"] if len(stats) > 2 else 0
+
+
+def run_here(args) -> dict:
+    import backend_lib
+    eng = build_engine(args)
+    timer = _PhaseTimer()
+    timer.wrap(eng.scheduler, "schedule", "schedule")
+    timer.wrap(eng.runner, "execute", "launch")
+    timer.wrap(eng.scheduler, "update", "update")
+    eng._host_loop_timer = timer
+    rows = [measure_batch(eng, b, args, profile=(b == args.profile)) for b in args.batches]
+    return dict(backend=str(Path(backend_lib.__file__).resolve().parent), device=args.device,
+                model=args.preset or args.model or "tiny-llama (no-math decode program)", rows=rows)
+
+
+def slope(rows: list[dict]) -> float:
+    if len(rows) < 2 or rows[-1]["batch"] == rows[0]["batch"]:
+        return float("nan")
+    return (rows[-1]["host_us"] - rows[0]["host_us"]) / (rows[-1]["batch"] - rows[0]["batch"])
+
+
+def table(result: dict, label: str) -> str:
+    cols = ("schedule", "launch", "update", "other")
+    lines = [f"{label}: {result['model']} on {result['device']} (backend_lib at {result['backend']})",
+             "| batch | host µs/step p50 | mean | " + " | ".join(f"{c} µs" for c in cols) + " | wait µs | tok/step | gen2 GCs |",
+             "|---|---|---|" + "---|" * len(cols) + "---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['batch']} | {r['host_us']:.1f} | {r['host_mean_us']:.1f} | " + " | ".join(f"{r.get(c + '_us', 0.0):.1f}" for c in cols)
+                     + f" | {r['wait_us']:.1f} | {r['tokens_per_step']:.0f} | {r['gen2_collections']} |")
+    lines.append(f"µs/row (batch {result['rows'][0]['batch']} -> {result['rows'][-1]['batch']}): {slope(result['rows']):.2f}")
+    return "\n".join(lines)
+
+
+def compare_table(before: dict, after: dict) -> str:
+    lines = ["| batch | before host µs/step | after host µs/step | after / before |", "|---|---|---|---|"]
+    for b, a in zip(before["rows"], after["rows"]):
+        lines.append(f"| {b['batch']} | {b['host_us']:.1f} | {a['host_us']:.1f} | {a['host_us'] / b['host_us']:.2f} |")
+    lines.append(f"| µs/row | {slope(before['rows']):.2f} | {slope(after['rows']):.2f} | "
+                 f"{slope(after['rows']) / slope(before['rows']):.2f} |")
+    return "\n".join(lines)
+
+
+def run_child(args, backend_dir: str | None) -> dict:
+    """This benchmark in a fresh process; backend_dir: import backend_lib from there."""
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    env = dict(os.environ)
+    env.pop(_BACKEND_ENV, None)
+    if backend_dir:
+        env[_BACKEND_ENV] = str(Path(backend_dir).resolve())
+    cmd = [sys.executable, "-m", "bench.host_loop", "--child-out", out] + _forward_args(args)
+    subprocess.run(cmd, check=True, cwd=str(REPO_ROOT), env=env)
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    return res
+
+
+def _forward_args(args) -> list[str]:
+    a = ["--device", args.device, "--batches", ",".join(map(str, args.batches)), "--steps", str(args.steps),
+         "--warmup", str(args.warmup), "--prompt-len", str(args.prompt_len), "--max-model-len", str(args.max_model_len),
+         "--async-handoff", args.async_handoff]
+    for name in ("preset", "model", "dtype"):
+        if getattr(args, name):
+            a += [f"--{name}", getattr(args, name)]
+    if args.profile:
+        a += ["--profile", str(args.profile)]
+    return a
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--preset", default=None, help="random weights of this shape (bench/decode.py presets)")
+    p.add_argument("--model", default=None, help="a local HF checkpoint (default: models/tiny-llama)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batches", default="1,64,256", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--async-handoff", default="on", choices=("on", "off", "auto"),
+                   help="async_token_handoff (on CPU, 'on' runs the overlapped loop with CPU stand-ins)")
+    p.add_argument("--profile", type=int, default=0, help="cProfile the measured steps of this batch")
+    p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument("--compare", default=None, metavar="DIR", help="also run with DIR/backend_lib (before)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child_out:
+        res = run_here(args)
+        with open(args.child_out, "w") as f:
+            json.dump(res, f)
+        return
+    if args.compare:
+        before = run_child(args, args.compare)
+        after = run_child(args, None)
+        results = dict(before=before, after=after)
+        text = "\n\n".join([table(before, "before"), table(after, "after"), compare_table(before, after)])
+    else:
+        after = run_here(args)
+        results = dict(after=after)
+        text = table(after, "host loop")
+    for key in ("before", "after"):
+        for r in results.get(key, {}).get("rows", []):
+            prof = r.pop("profile", None)
+            if prof:
+                print(f"---- cProfile ({key}, batch {r['batch']}, {r['steps']} steps) ----\n{prof}")
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
