@@ -129,14 +129,18 @@ class DecodeGraphs:
 
     def launch(self, rows: Sequence, greedy: bool, masks: bool,
                upload: Callable[[list[list[int]]], torch.Tensor],
-               logprobs: bool = False) -> tuple[torch.Tensor, tuple]:
+               logprobs: bool = False, slots: Optional[Sequence[int]] = None,
+               all_relay: Optional[bool] = None) -> tuple[torch.Tensor, tuple]:
         """Replay the graph for a decode-only step of `rows` (len(rows) <= the largest
-        bucket); returns (static output, tensors the step reads that must stay alive)."""
+        bucket); returns (static output, tensors the step reads that must stay alive).
+        slots / all_relay: the rows' slots and whether every first input id comes from the
+        relay, when the caller already has them (SchedulerOutput keeps both)."""
         bucket = self.bucket(len(rows))
         variant = graph_variant(greedy, masks, logprobs)
         g = self.graphs[(bucket, variant)]
-        key = (bucket, variant, tuple(r.request.slot for r in rows))
-        all_relay = all(r.first_from_relay for r in rows)
+        key = (bucket, variant, tuple(r.request.slot for r in rows) if slots is None else tuple(slots))
+        if all_relay is None:
+            all_relay = all(r.first_from_relay for r in rows)
         keep: tuple = ()
         if key == self._reusable and all_relay:
             # Only positions changed since the last replay, and the program advanced them.

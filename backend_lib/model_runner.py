@@ -97,6 +97,8 @@ class ModelRunner:
         self._slot_greedy = [True] * (n + 1)
         self._slot_masks = [False] * (n + 1)
         self._slot_logprobs = [False] * (n + 1)
+        self._flags_slots: list[int] = []   # step_flags' last question and answer
+        self._flags = (True, False, False)
         self.scratch_slot = n
         self.pin = self.device.type == "cuda"
 
@@ -208,10 +210,16 @@ class ModelRunner:
 
     def step_flags(self, sched: SchedulerOutput) -> tuple[bool, bool, bool]:
         """(all rows greedy, any row needs masks/filters/penalties, any row wants logprobs):
-        host flags that pick the sampling program."""
-        slots = [r.request.slot for r in sched.rows]
-        return (all(self._slot_greedy[s] for s in slots), any(self._slot_masks[s] for s in slots),
-                any(self._slot_logprobs[s] for s in slots))
+        host flags that pick the sampling program. A slot's flags change only when a request
+        is admitted into it, so a step with the previous step's slots and no admission reuses
+        the previous answer (steady decode: no per-row work)."""
+        slots = sched.slots
+        if not sched.new_slots and slots == self._flags_slots:
+            return self._flags
+        g, m, lp = self._slot_greedy, self._slot_masks, self._slot_logprobs
+        self._flags = (all(g[s] for s in slots), any(m[s] for s in slots), any(lp[s] for s in slots))
+        self._flags_slots = list(slots)
+        return self._flags
 
     def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
         """Host int64 rows -> device, asynchronously through the pinned staging ring."""
@@ -226,12 +234,14 @@ class ModelRunner:
         greedy, masks, logprobs = self.step_flags(sched)
         start = self.handoff.begin_step()
         graphs = self.decode_graphs
-        if sched.is_decode_only and graphs is not None and graphs.bucket(len(rows)) is not None:
-            out, keep = graphs.launch(rows, greedy, masks, self._to_device, logprobs)
+        decode_only = sched.is_decode_only
+        if decode_only and graphs is not None and graphs.bucket(len(rows)) is not None:
+            out, keep = graphs.launch(rows, greedy, masks, self._to_device, logprobs, slots=sched.slots,
+                                      all_relay=sched.all_inputs_from_relay)
             return self.handoff.publish(out, len(rows), start, keepalive=keep)
         if graphs is not None:
             graphs.invalidate()
-        if not sched.is_decode_only:
+        if not decode_only:
             sampled, keep = self._mixed_step(sched, greedy, masks, logprobs)
             return self.handoff.publish(sampled, len(rows), start, keepalive=keep)
         # Decode larger than every graph bucket (or no graphs): the same program, eagerly.

@@ -153,9 +153,16 @@ class Request:
     cumulative_logprob: float = 0.0
 
     num_prompt_tokens: int = field(init=False, default=0)
+    # Derived once, read per step: the ids that end the request (EOS unless ignore_eos, plus
+    # stop_token_ids), and the most outputs it may get (the scheduler also applies max_model_len).
+    stop_ids: frozenset = field(init=False, default=frozenset(), repr=False)
+    max_output_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        sp = self.sampling
+        self.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.eos_token_ids)
+        self.max_output_tokens = sp.max_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -38,26 +38,45 @@ class ScheduledRow:
     start_pos: int              # num_computed_tokens before this step
     num_new_tokens: int
     samples: bool               # this row's sampled token is a real output
-    host_token_ids: list[int]   # known input ids; a relay row's first id is a dummy 0
+    host_token_ids: Sequence[int]  # known input ids; a relay row's first id is a dummy 0
     first_from_relay: bool      # the first input token is a placeholder: gather it on device
+
+
+_RELAY_IDS = (0,)  # host ids of a row whose one input token comes from the relay (shared, immutable)
 
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan. Rows are added only through `add_row`, which also keeps the per-step
+    summaries the runner reads (row slots, decode-only, all inputs from the relay), so no
+    consumer walks the rows again to derive them."""
     step_id: int
     rows: list[ScheduledRow] = field(default_factory=list)
     new_slots: list[Request] = field(default_factory=list)     # admitted this step: upload sampling state
     grown: list[tuple[Request, int]] = field(default_factory=list)  # (req, first new block index)
     num_preempted: int = 0
+    slots: list[int] = field(default_factory=list)   # rows[i].request.slot, in row order
+    num_tokens: int = 0
+    num_non_decode_rows: int = 0   # rows other than one sampled token past the prompt
+    num_host_input_rows: int = 0   # rows whose first input id is host-known (not from the relay)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_new_tokens for r in self.rows)
+    def add_row(self, row: ScheduledRow) -> None:
+        self.rows.append(row)
+        self.slots.append(row.request.slot)
+        n = row.num_new_tokens
+        self.num_tokens += n
+        if n != 1 or not row.samples or row.start_pos < row.request.num_prompt_tokens:
+            self.num_non_decode_rows += 1
+        if not row.first_from_relay:
+            self.num_host_input_rows += 1
 
     @property
     def is_decode_only(self) -> bool:
-        return all(r.num_new_tokens == 1 and r.samples and r.start_pos >= r.request.num_prompt_tokens
-                   for r in self.rows)
+        return self.num_non_decode_rows == 0
+
+    @property
+    def all_inputs_from_relay(self) -> bool:
+        return self.num_host_input_rows == 0
 
     @property
     def is_empty(self) -> bool:
@@ -95,6 +114,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        # Both length limits as one bound on the outputs (max_tokens, and max_model_len).
+        req.max_output_tokens = min(req.sampling.max_tokens, self.max_model_len - req.num_prompt_tokens)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -141,19 +162,24 @@ class Scheduler:
         budget = self.token_budget
 
         bs = self.blocks.block_size
+        running = self.running
+        rows, slots = out.rows, out.slots
+        num_fast = 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             computed = req.num_computed_tokens
-            known = req.num_prompt_tokens + len(req.output_token_ids)
-            if computed == known + req.num_output_placeholders - 1 and computed >= known \
-                    and computed < len(req.block_ids) * bs \
-                    and len(req.output_token_ids) + req.num_output_placeholders < req.sampling.max_tokens \
-                    and known + req.num_output_placeholders < self.max_model_len:
-                # Steady decode of a placeholder with KV room: the hot path, kept inline.
+            ph = req.num_output_placeholders
+            n_out = len(req.output_token_ids)
+            if ph and computed == req.num_prompt_tokens + n_out + ph - 1 \
+                    and computed < len(req.block_ids) * bs and n_out + ph < req.max_output_tokens:
+                # Steady decode of a placeholder with KV room: the hot path, kept inline (the
+                # row is what add_row would record: one relay token, sampled, past the prompt).
                 req.num_computed_tokens = computed + 1
-                req.num_output_placeholders += 1
-                out.rows.append(ScheduledRow(req, computed, 1, True, [0], True))
+                req.num_output_placeholders = ph + 1
+                rows.append(ScheduledRow(req, computed, 1, True, _RELAY_IDS, True))
+                slots.append(req.slot)
+                num_fast += 1
                 budget -= 1
                 i += 1
                 continue
@@ -180,6 +206,7 @@ class Scheduler:
             budget -= n
             i += 1
 
+        out.num_tokens += num_fast
         if out.num_preempted == 0:
             if self.waiting:  # only an admission can use what is committed now
                 for req in self.running:
@@ -250,7 +277,7 @@ class Scheduler:
         if start < prefill_end:
             self.stats.prefill_tokens_total += min(start + n, prefill_end) - start
         if start >= known:  # decode of a placeholder: its id is gathered on the device
-            ids = [0]
+            ids = _RELAY_IDS
         elif start + n <= req.num_prompt_tokens:
             ids = req.prompt_token_ids[start:start + n]
         else:
@@ -260,7 +287,7 @@ class Scheduler:
         req.num_computed_tokens += n
         if samples:
             req.num_output_placeholders += 1
-        out.rows.append(ScheduledRow(req, start, n, samples, ids, first_from_relay))
+        out.add_row(ScheduledRow(req, start, n, samples, ids, first_from_relay))
 
     # ---- prefix cache ---------------------------------------------------------------------
     def _cached_prefix(self, req: Request) -> Optional[list[int]]:
@@ -328,37 +355,43 @@ class Scheduler:
         self._pending_finished = []
         if sampled is None:
             return outputs
+        # One pass over the rows, the per-row work inline (this runs for every row of every
+        # step): the stop checks read the request's derived stop_ids / max_output_tokens.
+        finished = RequestStatus.FINISHED
+        emit = outputs.append
+        num_new = 0
         for i, (row, token) in enumerate(zip(sched.rows, sampled)):
             if not row.samples:
                 continue  # a non-final prefill chunk: its sample is meaningless
             req = row.request
-            if req.is_finished:
+            if req.status is finished:
                 continue
+            token = int(token)
             req.num_output_placeholders -= 1
-            req.output_token_ids.append(int(token))
-            n_lp = req.sampling.logprobs
+            out_ids = req.output_token_ids
+            out_ids.append(token)
+            num_new += 1
+            n_out = len(out_ids)
+            sp = req.sampling
+            n_lp = sp.logprobs
             if n_lp is not None:
                 lp = logprobs[i]
-                req.output_logprobs.append(lp.as_dict(int(token), n_lp))
+                req.output_logprobs.append(lp.as_dict(token, n_lp))
                 req.cumulative_logprob += lp.logprob
-            self.stats.generation_tokens_total += 1
-            reason = self._stop_reason(req, int(token))
-            if reason is not None:
-                self._finish(req, reason, emit=False)
-            outputs.append(self._output(req))
+            if n_out >= sp.min_tokens and (token in req.stop_ids or (
+                    sp.stop_sequences and _ends_with_any(out_ids, sp.stop_sequences))):
+                self._finish(req, FinishReason.STOP, emit=False)
+            elif n_out >= req.max_output_tokens:
+                self._finish(req, FinishReason.LENGTH, emit=False)
+            if n_lp is None and req.num_streamed == n_out - 1:
+                # The common case of _output: exactly this token is new.
+                req.num_streamed = n_out
+                emit(RequestOutput(req.request_id, [token], req.status is finished, req.finish_reason,
+                                   req.num_prompt_tokens, n_out, None, None, None, req.index))
+            else:
+                emit(self._output(req))
+        self.stats.generation_tokens_total += num_new
         return outputs
-
-    def _stop_reason(self, req: Request, token: int) -> Optional[FinishReason]:
-        sp = req.sampling
-        n_out = len(req.output_token_ids)
-        if n_out >= sp.min_tokens:
-            if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
-                return FinishReason.STOP
-            if sp.stop_sequences and _ends_with_any(req.output_token_ids, sp.stop_sequences):
-                return FinishReason.STOP
-        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _output(self, req: Request) -> RequestOutput:
         start = req.num_streamed

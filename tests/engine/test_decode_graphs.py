@@ -37,9 +37,9 @@ class _LaunchLog:
         self.variants = set()
         orig = self.graphs.launch
 
-        def launch(rows, greedy, masks, upload, logprobs=False):
+        def launch(rows, greedy, masks, upload, logprobs=False, **kw):
             before = self.graphs.steps_reused
-            out = orig(rows, greedy, masks, upload, logprobs)
+            out = orig(rows, greedy, masks, upload, logprobs, **kw)
             self.variants.add(graph_variant(greedy, masks, logprobs))
             self.rows.append([(r.request.request_id, r.start_pos, r.first_from_relay) for r in rows])
             self.entries.append(([r.request.slot for r in rows], [r.first_from_relay for r in rows],
