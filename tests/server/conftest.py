@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from triton_glue import launch  # noqa: E402
+from . import procs  # noqa: E402
 from triton_glue.supervisor import child_preexec  # noqa: E402
 
 MODEL_DIR = ROOT / "models" / "tiny-llama"
@@ -164,14 +165,55 @@ def start_server(tmp_dir: Path, *, model_control: str = "none", load_models: tup
     raise RuntimeError(f"tritonserver not ready after {START_TIMEOUT_S} s:\n{srv.log_tail()}")
 
 
+class SharedServer:
+    """The session's server, checked around every test that uses it: a dead tritonserver or
+    Python stub fails the test it died in (at teardown) and the next test gets a fresh server,
+    so one crash costs one failure instead of hanging every later test on a dead model."""
+
+    def __init__(self, tmp_dir: Path):
+        self.tmp_dir = tmp_dir
+        self.srv = self._start()
+        self.crashes: list[str] = []
+
+    def _start(self) -> Server:
+        srv = start_server(self.tmp_dir)
+        self.stub_pids = {p.pid: p.stub_model for p in procs.stubs(srv.proc.pid)}
+        return srv
+
+    def problem(self) -> Optional[str]:
+        if self.srv.proc.poll() is not None:
+            return f"tritonserver exited with {self.srv.proc.returncode}"
+        alive = {p.pid for p in procs.stubs(self.srv.proc.pid)}
+        dead = sorted(f"{model} (pid {pid})" for pid, model in self.stub_pids.items() if pid not in alive)
+        return f"Python stub(s) died: {', '.join(dead)}" if dead else None
+
+    def restart(self, why: str) -> None:
+        self.crashes.append(f"{why}\n{self.srv.log_tail(40)}")
+        self.srv.stop()
+        self.srv = self._start()
+
+
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("triton"))
-    yield srv
-    srv.stop()
+def shared_server(tmp_path_factory):
+    shared = SharedServer(tmp_path_factory.mktemp("triton"))
+    yield shared
+    shared.srv.stop()
     # the log must not hide Python errors from the models
-    bad = [l for l in srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
-    assert not bad, srv.log_tail(120)
+    bad = [l for l in shared.srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
+    assert not bad, shared.srv.log_tail(120)
+
+
+@pytest.fixture
+def server(shared_server):
+    why = shared_server.problem()
+    if why:  # broke between tests (e.g. in a module fixture): start over
+        shared_server.restart(why)
+    yield shared_server.srv
+    why = shared_server.problem()
+    if why:
+        log_path = shared_server.srv.log_path
+        shared_server.restart(why)
+        pytest.fail(f"the shared server broke during this test: {why} (log: {log_path})")
 
 
 @pytest.fixture(scope="session")

@@ -68,5 +68,6 @@ def stubs(pgid: int) -> list[Proc]:
     return [p for p in group(pgid) if p.is_stub]
 
 
-def shm_left(regions: set[str]) -> list[str]:
-    return sorted(r for r in regions if (SHM_DIR / r).exists())
+def shm_left(regions: set[Optional[str]]) -> list[str]:
+    # None: a stub seen before its argv was readable in full (it has no region to leave)
+    return sorted(r for r in regions if r and (SHM_DIR / r).exists())

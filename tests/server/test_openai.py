@@ -79,8 +79,8 @@ def start_frontend(tmp_dir: Path, grpc_url: str, extra_env: dict | None = None) 
 
 
 @pytest.fixture(scope="module")
-def frontend(server, tmp_path_factory):
-    fe = start_frontend(tmp_path_factory.mktemp("openai"), server.grpc_url)
+def frontend(shared_server, tmp_path_factory):
+    fe = start_frontend(tmp_path_factory.mktemp("openai"), shared_server.srv.grpc_url)
     yield fe
     fe.proc.terminate()
     try:
