@@ -54,6 +54,23 @@ log = logging.getLogger("triton_glue.bls")
 # responses) and aborts one on a control request carrying its id in `cancel_request_id`.
 CANCEL_PREFIX = "bls-"
 UPSTREAM_OUTPUTS = ["output_ids", "finish_reason", "error_message"]
+# the output that carries an in-band error (a normal response holding only it)
+ERROR_OUTPUT = "error_message"
+
+
+def answers_in_band(request: Any) -> bool:
+    """Whether a request comes from one of our BLS callers (its id starts with CANCEL_PREFIX),
+    which get errors in-band (see the module docstring)."""
+    return (request.request_id() or "").startswith(CANCEL_PREFIX)
+
+
+def error_response(pb: Any, message: str, in_band: bool, code: Any = None) -> Any:
+    """The response that reports a failed request: an error response, or for a BLS caller a
+    normal response whose only output is `error_message`."""
+    if in_band:
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor(ERROR_OUTPUT, np.asarray([[message.encode("utf-8", "replace")]], dtype=np.object_))])
+    return pb.InferenceResponse(error=pb.TritonError(message) if code is None else pb.TritonError(message, code))
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
 
 
@@ -69,12 +86,19 @@ class Chunk:
 
 class _Sender:
     """A request's response sender that is never used after its FINAL (sends are dropped then
-    and is_cancelled() answers True without asking the server)."""
+    and is_cancelled() answers True without asking the server); errors go in-band to a BLS
+    caller (in_band)."""
 
-    def __init__(self, sender: Any, final_flag: int):
+    def __init__(self, pb: Any, sender: Any, in_band: bool = False):
+        self._pb = pb
         self._sender = sender
-        self._final_flag = final_flag
+        self._final_flag = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self.in_band = in_band
         self.closed = False
+
+    def send_error(self, message: str, code: Any = None) -> None:
+        """The request's FINAL, reporting message."""
+        self.send(error_response(self._pb, message, self.in_band, code), flags=self._final_flag)
 
     def send(self, response: Any = None, flags: int = 0) -> None:
         if self.closed:
@@ -215,7 +239,7 @@ class BlsRoute:
             else:
                 self.submit(request, parsed)
                 continue
-            request.get_response_sender().send(pb.InferenceResponse(error=pb.TritonError(message)),
+            request.get_response_sender().send(error_response(pb, message, answers_in_band(request)),
                                                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
@@ -223,7 +247,7 @@ class BlsRoute:
         """sender: the request's response sender, or a stand-in for it (a batch row's)."""
         sender = sender if sender is not None else request.get_response_sender()
         self._count_inflight(+1)
-        self.pool.submit(self._run_safe, _Sender(sender, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL), parsed)
+        self.pool.submit(self._run_safe, _Sender(self.pb, sender, answers_in_band(request)), parsed)
 
     def close(self) -> None:
         self._closing.set()
@@ -234,19 +258,15 @@ class BlsRoute:
         self.pool.shutdown(wait=True, cancel_futures=False)
 
     # ---- worker thread --------------------------------------------------------------------
-    def _run_safe(self, sender: Any, req: TextRequest) -> None:
-        FINAL = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    def _run_safe(self, sender: "_Sender", req: TextRequest) -> None:
         try:
             try:
                 self._run(sender, req)
-            except InputError as e:
-                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
-            except (_UpstreamError, UpstreamGone) as e:
-                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=FINAL)
+            except (InputError, _UpstreamError, UpstreamGone) as e:
+                sender.send_error(str(e))
             except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
                 log.exception("BLS request failed")
-                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(f"internal error: {e!r}")),
-                            flags=FINAL)
+                sender.send_error(f"internal error: {e!r}")
         finally:
             self._count_inflight(-1)
 
@@ -413,8 +433,7 @@ class BlsRoute:
                 return
         hooks.finished("abort" if cancelled else (finish or "abort"), len(ids), n_gen)
         if cancelled:
-            sender.send(pb.InferenceResponse(error=pb.TritonError("request cancelled",
-                                                                  pb.TritonError.CANCELLED)), flags=FINAL)
+            sender.send_error("request cancelled", pb.TritonError.CANCELLED)
             return
         # the upstream ended without a final chunk: never leave the client hanging
         sender.send(self.make_response(req, Chunk(stops.flush(), 0, finish or "abort", len(ids), True)),

@@ -9,16 +9,21 @@ responses collected and sent back as ONE response through the request's response
 execute returns at once and requests run concurrently. A batched request ([B, ...] inputs:
 one upstream response per row, with batch_index) is merged along the batch dimension in
 batch_index order, padded with -1 (ids) or "" (text). As in TensorRT-LLM, streaming=true is an
-error here ("Streaming is only supported in decoupled mode."). pb_utils is passed in.
+error here ("Streaming is only supported in decoupled mode."). The upstream request is a BLS
+caller's (id "bls-..."): failures come back in-band in `error_message` (tritonserver 2.51
+loses the iterator id of an error response to a decoupled BLS request; see triton_glue/bls.py)
+and are turned into the client's error response here. pb_utils is passed in.
 """
 from __future__ import annotations
 
 import logging
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from .bls import CANCEL_PREFIX, ERROR_OUTPUT
 from .inputs import get_bool
 
 log = logging.getLogger("triton_glue.sync_proxy")
@@ -45,6 +50,13 @@ def merge_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return out
 
 
+def _text(a: Any) -> str:
+    if a is None or not np.asarray(a).size:
+        return ""
+    v = np.asarray(a).reshape(-1)[0]
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
 class SyncProxy:
     def __init__(self, pb_utils: Any, target: str, max_workers: int = 256):
         self.pb = pb_utils
@@ -64,13 +76,14 @@ class SyncProxy:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(err if streaming is None else STREAMING_ERROR)),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
+            wanted = list(request.requested_output_names())
             upstream = pb.InferenceRequest(model_name=self.target, inputs=list(request.inputs()),
-                                           request_id=request.request_id() or "",
-                                           requested_output_names=list(request.requested_output_names()))
-            self.pool.submit(self._run_safe, sender, upstream)
+                                           request_id=f"{CANCEL_PREFIX}{uuid.uuid4().hex}",
+                                           requested_output_names=wanted + [ERROR_OUTPUT] if wanted else [])
+            self.pool.submit(self._run_safe, sender, upstream, ERROR_OUTPUT in wanted)
         return None
 
-    def _run_safe(self, sender: Any, upstream: Any) -> None:
+    def _run_safe(self, sender: Any, upstream: Any, keep_error_output: bool) -> None:
         pb = self.pb
         try:
             rows, error = [], None
@@ -78,9 +91,13 @@ class SyncProxy:
                 if resp.has_error():
                     error = error or resp.error().message()
                     continue
-                tensors = resp.output_tensors()
-                if tensors:
-                    rows.append({t.name(): t.as_numpy() for t in tensors})
+                row = {t.name(): t.as_numpy() for t in resp.output_tensors()}
+                message = _text(row.get(ERROR_OUTPUT) if keep_error_output else row.pop(ERROR_OUTPUT, None))
+                if message:
+                    error = error or message
+                    continue
+                if row:
+                    rows.append(row)
             if error is not None:
                 response = pb.InferenceResponse(error=pb.TritonError(error))
             elif not rows:

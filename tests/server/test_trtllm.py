@@ -209,3 +209,29 @@ def test_tensorrt_llm_stop_request_ends_the_stream_with_that_id(server):
         assert n < 1500 and c.finals == 1
     finally:
         sc.close()
+
+
+@pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_bls"])
+def test_non_decoupled_proxies_survive_repeated_errors(server, model):
+    """Each failed request gets its error text (carried in-band from the decoupled model, see
+    triton_glue/sync_proxy.py) and no in-band output leaks to the client; the proxy stays usable."""
+    cl = grpcclient.InferenceServerClient(server.grpc_url)
+    if model == "tensorrt_llm":
+        bad = [tensor(grpcclient, "input_ids", np.array([[1, 2, 3]], np.int32)),
+               tensor(grpcclient, "request_output_len", one(10 ** 6, np.int32))]
+        good = [tensor(grpcclient, "input_ids", np.array([[1, 2, 3]], np.int32)),
+                tensor(grpcclient, "request_output_len", one(4, np.int32))]
+        field = "max_tokens|request_output_len"
+    else:
+        bad = [tensor(grpcclient, "text_input", np.array([["Hello"]], object)),
+               tensor(grpcclient, "max_tokens", one(10 ** 6, np.int32))]
+        good = [tensor(grpcclient, "text_input", np.array([["Hello"]], object)),
+                tensor(grpcclient, "max_tokens", one(4, np.int32))]
+        field = "max_tokens"
+    for _ in range(30):
+        with pytest.raises(InferenceServerException, match=field):
+            cl.infer(model, bad, client_timeout=30)
+    r = cl.infer(model, good, client_timeout=60)
+    out = r.as_numpy("output_ids" if model == "tensorrt_llm" else "text_output")
+    assert out.size > 0
+    assert "error_message" not in {o.name for o in r.get_response().outputs}

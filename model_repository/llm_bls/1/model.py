@@ -14,7 +14,7 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from triton_glue.batch import BatchSender  # noqa: E402
-from triton_glue.bls import BlsRoute  # noqa: E402
+from triton_glue.bls import BlsRoute, answers_in_band, error_response  # noqa: E402
 from triton_glue.inputs import InputError, reject_unknown_parameters  # noqa: E402
 from triton_glue.trtllm import parse_text_requests  # noqa: E402
 
@@ -42,7 +42,7 @@ class TritonPythonModel:
                 reject_unknown_parameters(request.parameters())
                 rows = parse_text_requests({t.name(): t.as_numpy() for t in request.inputs()})
             except InputError as e:
-                request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
+                request.get_response_sender().send(error_response(pb_utils, str(e), answers_in_band(request)),
                                                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             if len(rows) == 1:
