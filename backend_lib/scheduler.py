@@ -171,8 +171,8 @@ class Scheduler:
             computed = req.num_computed_tokens
             ph = req.num_output_placeholders
             n_out = len(req.output_token_ids)
-            if ph and computed == req.num_prompt_tokens + n_out + ph - 1 \
-                    and computed < len(req.block_ids) * bs and n_out + ph < req.max_output_tokens:
+            if ph and computed == req.num_prompt_tokens + n_out + ph - 1 and n_out + ph < req.max_output_tokens \
+                    and (computed < len(req.block_ids) * bs or self._grow_one_block(out, req, computed)):
                 # Steady decode of a placeholder with KV room: the hot path, kept inline (the
                 # row is what add_row would record: one relay token, sampled, past the prompt).
                 req.num_computed_tokens = computed + 1
@@ -246,6 +246,16 @@ class Scheduler:
                 self._commit_blocks(req)  # the next admission may share what this row computes
                 budget -= n
         return out
+
+    def _grow_one_block(self, out: SchedulerOutput, req: Request, computed: int) -> bool:
+        """A steady decode token that opens the next KV block: take one block if one is free
+        (as _add_row would); False leaves the row to the general path, which preempts."""
+        blocks = req.block_ids
+        if computed != len(blocks) * self.blocks.block_size or not self.blocks.can_allocate(1):
+            return False
+        out.grown.append((req, len(blocks)))
+        blocks.extend(self.blocks.allocate(1))
+        return True
 
     def _tokens_to_schedule(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens_with_placeholders - req.num_computed_tokens

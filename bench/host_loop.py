@@ -7,10 +7,12 @@ waiting on the device, at batch 1/64/256 of steady greedy decode; one table.
     # before/after in one run: an older backend_lib (e.g. `git archive <rev> backend_lib | tar -x -C DIR`)
     python -m bench.host_loop --device cuda --preset qwen2.5-0.5b --compare DIR
 
-What is measured: B requests (distinct prompts, greedy, ignore_eos) are admitted and
+What is measured: B requests (distinct prompts of --prompt-len + 0..15 tokens, greedy, ignore_eos) are admitted and
 prefilled, a few decode steps run as warm-up, then `--steps` steady decode steps are timed.
 host µs/step = (time in step() - time blocked on step events) / steps, the same measure as
-bench/smoke_gpu.py and EngineStats. The columns split it by phase (wrapped calls):
+bench/smoke_gpu.py and EngineStats: p50 and mean over the steps, and the engine thread's
+CPU time per step (time.thread_time; on a shared CPU box it leaves out the time the thread
+was descheduled, which inflates the wall-clock mean). The phase columns (p50, wrapped calls):
 schedule (Scheduler.schedule), launch (ModelRunner.execute: table updates, packing, graph
 replay or eager launch, the D2H copy), update (Scheduler.update: tokens, stops, outputs) and
 the rest of step() (token readback, bookkeeping). µs/row = slope between the first and the
@@ -21,7 +23,8 @@ last batch.
   way the real program does), so the table is the engine's host work alone: the real
   scheduler, the runner's packing and graph-reuse decision, the handoff, the update.
 * CUDA: the real model (--preset: random weights of that shape; or --model) and its captured
-  CUDA graphs; host time excludes the waits on step events, as on CPU.
+  CUDA graphs; host time excludes the waits on step events, as on CPU (thread CPU time
+  includes any spin inside the event wait).
 * --compare DIR: the same measurement twice in fresh processes, first with DIR/backend_lib
   (the "before"), then with this checkout's, printed side by side.
 """
@@ -110,7 +113,7 @@ def build_engine(args):
     else:
         kw["model_path"] = args.model or str(REPO_ROOT / "models" / "tiny-llama")
     if args.device == "cpu":
-        kw["num_kv_blocks"] = max(args.batches) * ((args.prompt_len + args.warmup + args.steps + 8) // 16 + 2) + 8
+        kw["num_kv_blocks"] = max(args.batches) * ((args.prompt_len + 16 + args.warmup + args.steps + 8) // 16 + 2) + 8
     eng = LLMEngine(EngineConfig(**kw))
     if args.device == "cpu":
         eng.runner._decode_program = _null_decode_program(eng.runner)
@@ -122,7 +125,8 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     from backend_lib import SamplingParams
     total_new = args.warmup + args.steps + 4
     for i in range(batch):
-        prompt = [(i * 131 + j * 7) % 700 + 10 for j in range(args.prompt_len)]
+        # Prompt lengths prompt_len .. prompt_len + 15: rows open new KV blocks on different steps.
+        prompt = [(i * 131 + j * 7) % 700 + 10 for j in range(args.prompt_len + i % 16)]
         prompt[0] = 10 + (i % 600)  # distinct first token: no prefix-cache sharing between rows
         prompt[1] = 10 + (i // 600)
         eng.add_request(f"b{batch}-{i}", prompt,
@@ -139,13 +143,15 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     gc_before = _gen2_collections()
     names = list(timer.totals)
     per_step: dict[str, list[float]] = {k: [] for k in ["host"] + names}
+    cpu = 0.0
     t0 = time.perf_counter()
     if prof:
         prof.enable()
     for _ in range(args.steps):
         before = dict(timer.totals)
-        st, wt = eng._step_s, eng._wait_s
+        st, wt, ct = eng._step_s, eng._wait_s, time.thread_time()
         eng.step()
+        cpu += time.thread_time() - ct
         per_step["host"].append((eng._step_s - st) - (eng._wait_s - wt))
         for k in names:
             per_step[k].append(timer.totals[k] - before[k])
@@ -158,7 +164,7 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     n = args.steps
     host = per_step.pop("host")
     row = dict(batch=batch, steps=n, host_us=_median(host) * 1e6, host_mean_us=sum(host) / n * 1e6,
-               wall_us=wall / n * 1e6, wait_us=wait / n * 1e6, tokens_per_step=gen / n,
+               cpu_us=cpu / n * 1e6, wall_us=wall / n * 1e6, wait_us=wait / n * 1e6, tokens_per_step=gen / n,
                **{f"{k}_us": _median(v) * 1e6 for k, v in per_step.items()})
     row["other_us"] = row["host_us"] - sum(row[f"{k}_us"] for k in names)
     row["gen2_collections"] = _gen2_collections() - gc_before
@@ -206,10 +212,10 @@ def slope(rows: list[dict]) -> float:
 def table(result: dict, label: str) -> str:
     cols = ("schedule", "launch", "update", "other")
     lines = [f"{label}: {result['model']} on {result['device']} (backend_lib at {result['backend']})",
-             "| batch | host µs/step p50 | mean | " + " | ".join(f"{c} µs" for c in cols) + " | wait µs | tok/step | gen2 GCs |",
-             "|---|---|---|" + "---|" * len(cols) + "---|---|---|"]
+             "| batch | host µs/step p50 | mean | thread CPU µs/step | " + " | ".join(f"{c} µs" for c in cols) + " | wait µs | tok/step | gen2 GCs |",
+             "|---|---|---|---|" + "---|" * len(cols) + "---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['batch']} | {r['host_us']:.1f} | {r['host_mean_us']:.1f} | " + " | ".join(f"{r.get(c + '_us', 0.0):.1f}" for c in cols)
+        lines.append(f"| {r['batch']} | {r['host_us']:.1f} | {r['host_mean_us']:.1f} | {r['cpu_us']:.1f} | " + " | ".join(f"{r.get(c + '_us', 0.0):.1f}" for c in cols)
                      + f" | {r['wait_us']:.1f} | {r['tokens_per_step']:.0f} | {r['gen2_collections']} |")
     lines.append(f"µs/row (batch {result['rows'][0]['batch']} -> {result['rows'][-1]['batch']}): {slope(result['rows']):.2f}")
     return "\n".join(lines)
