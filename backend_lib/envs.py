@@ -9,6 +9,15 @@ FORCE_SYNC_ENV = "BACKEND_LIB_FORCE_SYNC"
 LOG_LEVEL_ENV = "BACKEND_LIB_LOG_LEVEL"
 
 
+# Triton's own switch: run @triton.jit kernels in its interpreter, on CPU tensors too (the
+# kernels' tests without a GPU).
+TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def triton_interpret() -> bool:
+    return os.environ.get(TRITON_INTERPRET_ENV, "0") == "1"
+
+
 # Skinny-GEMM path of the decode projections (backend_lib/layers/skinny_gemm.py): off (the
 # default), on (per shape, only where the start-up measurement beats cuBLAS), force (every
 # tuned shape through the Triton kernel, faster or not: tests).

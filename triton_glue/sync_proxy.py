@@ -16,6 +16,7 @@ and are turned into the client's error response here. pb_utils is passed in.
 """
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .bls import CANCEL_PREFIX, ERROR_OUTPUT
+from .config import parameters_of
 from .inputs import get_bool
 
 log = logging.getLogger("triton_glue.sync_proxy")
@@ -111,3 +113,21 @@ class SyncProxy:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def proxy_model(pb_utils: Any, default_target: str) -> type:
+    """The TritonPythonModel class of a proxy model (parameters `target_model`,
+    `max_concurrent_requests`)."""
+    class TritonPythonModel:
+        def initialize(self, args):
+            params = parameters_of(json.loads(args["model_config"]))
+            self.proxy = SyncProxy(pb_utils, params.get("target_model", default_target),
+                                   int(params.get("max_concurrent_requests", "256")))
+
+        def execute(self, requests):
+            return self.proxy.execute(requests)
+
+        def finalize(self):
+            self.proxy.close()
+
+    return TritonPythonModel

@@ -23,23 +23,12 @@ All are CUDA-graph capturable: fixed grids from shapes, no host syncs.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-try:  # Triton is optional at import time (CPU-only machines).
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-# TRITON_INTERPRET=1 runs the kernels on CPU tensors too (tests them without a GPU).
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
+from .triton_support import INTERPRET as _INTERPRET
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope_and_write_kv",
            "available", "HAS_TRITON"]

@@ -21,7 +21,6 @@ caching allocator (the graph's pool under capture), no host syncs.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -30,17 +29,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-try:  # Triton is optional at import time (CPU-only machines).
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
+from .triton_support import INTERPRET as _INTERPRET
 MAX_M = 16
 
 

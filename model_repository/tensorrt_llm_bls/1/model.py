@@ -1,5 +1,4 @@
 """`tensorrt_llm_bls`: TensorRT-LLM's non-decoupled deployment of `llm_bls` (triton_glue/sync_proxy.py)."""
-import json
 import sys
 from pathlib import Path
 
@@ -9,18 +8,6 @@ _ROOT = Path(__file__).resolve().parents[3]
 if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from triton_glue.config import parameters_of  # noqa: E402
-from triton_glue.sync_proxy import SyncProxy  # noqa: E402
+from triton_glue.sync_proxy import proxy_model  # noqa: E402
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        params = parameters_of(json.loads(args["model_config"]))
-        self.proxy = SyncProxy(pb_utils, params.get("target_model", "llm_bls"),
-                               int(params.get("max_concurrent_requests", "256")))
-
-    def execute(self, requests):
-        return self.proxy.execute(requests)
-
-    def finalize(self):
-        self.proxy.close()
+TritonPythonModel = proxy_model(pb_utils, default_target="llm_bls")
