@@ -44,6 +44,7 @@ import numpy as np
 
 from .detokenizer import IncrementalDetokenizer
 from .inputs import InputError, TextRequest
+from .logprob_tensors import Logprobs
 from .stops import StopStringMatcher
 from .tokenize import encode_prompt, model_tokenizer, words_to_single_token_ids
 from .trtllm import parse_word_list, word_list_batch
@@ -71,6 +72,8 @@ def error_response(pb: Any, message: str, in_band: bool, code: Any = None) -> An
         return pb.InferenceResponse(output_tensors=[
             pb.Tensor(ERROR_OUTPUT, np.asarray([[message.encode("utf-8", "replace")]], dtype=np.object_))])
     return pb.InferenceResponse(error=pb.TritonError(message) if code is None else pb.TritonError(message, code))
+UPSTREAM_LOGPROB_OUTPUTS = ["output_log_probs", "cum_log_probs", "top_logprob_ids", "top_logprobs",
+                            "output_log_prob_ranks"]
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
 
 
@@ -82,6 +85,7 @@ class Chunk:
     finish_reason: Optional[str]
     num_input_tokens: int
     final: bool
+    logprobs: Optional[Logprobs] = None  # of this chunk's tokens, when the request wants them
 
 
 class _Sender:
@@ -323,8 +327,16 @@ class BlsRoute:
             inputs.append(t("bad_token_ids", list(s.bad_token_ids) + bad, np.int32))
         if s.ignore_eos:
             inputs.append(t("ignore_eos", [True], np.bool_))
+        for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("min_p", 0.0)):
+            if getattr(s, name) != neutral:
+                inputs.append(t(name, [getattr(s, name)], np.float32))
+        outputs = UPSTREAM_OUTPUTS
+        if req.wants_logprobs:
+            inputs.append(t("num_top_logprobs", [s.logprobs or 0], np.int32))
+            outputs = UPSTREAM_OUTPUTS + UPSTREAM_LOGPROB_OUTPUTS
         return pb.InferenceRequest(model_name=self.llm_model, inputs=inputs, request_id=key,
-                                   requested_output_names=UPSTREAM_OUTPUTS)
+                                   requested_output_names=outputs)
 
     def _cancel_upstream(self, it: Any, key: str) -> None:
         if hasattr(it, "cancel"):
@@ -377,6 +389,7 @@ class BlsRoute:
         prefix_text = req.text if not req.exclude_input else ""
         acc_text: list[str] = []
         n_acc = 0
+        acc_lp = Logprobs() if req.wants_logprobs else None
         finish: Optional[str] = None
         stopped = cancelled = False
         for resp in it:
@@ -397,6 +410,9 @@ class BlsRoute:
             if new:
                 n_gen += len(new)
                 hooks.tokens(len(new))
+            lp = None
+            if acc_lp is not None:
+                lp = Logprobs.from_outputs(new, lambda name: _array_output(pb, resp, name))
             piece = detok.add(new, final=up_final)
             res = stops.feed(piece)
             text = res.text
@@ -417,13 +433,15 @@ class BlsRoute:
                 if text or final or len(new):
                     if prefix_text:
                         text, prefix_text = prefix_text + text, ""
-                    chunk = Chunk(text, len(new), finish if final else None, len(ids), final)
+                    chunk = Chunk(text, len(new), finish if final else None, len(ids), final, lp)
                     sender.send(self.make_response(req, chunk), flags=FINAL if final else 0)
             else:
                 acc_text.append(text)
                 n_acc += len(new)
+                if lp is not None:
+                    acc_lp.extend(lp)
                 if final:
-                    chunk = Chunk(prefix_text + "".join(acc_text), n_acc, finish, len(ids), True)
+                    chunk = Chunk(prefix_text + "".join(acc_text), n_acc, finish, len(ids), True, acc_lp)
                     sender.send(self.make_response(req, chunk), flags=FINAL)
             if final:
                 hooks.finished(finish, len(ids), n_gen)
@@ -436,8 +454,13 @@ class BlsRoute:
             sender.send_error("request cancelled", pb.TritonError.CANCELLED)
             return
         # the upstream ended without a final chunk: never leave the client hanging
-        sender.send(self.make_response(req, Chunk(stops.flush(), 0, finish or "abort", len(ids), True)),
-                    flags=FINAL)
+        sender.send(self.make_response(req, Chunk(stops.flush(), 0, finish or "abort", len(ids), True,
+                                                  Logprobs() if req.wants_logprobs else None)), flags=FINAL)
+
+
+def _array_output(pb: Any, resp: Any, name: str) -> Optional[np.ndarray]:
+    t = pb.get_output_tensor_by_name(resp, name)
+    return None if t is None else t.as_numpy()
 
 
 def _string_output(pb: Any, resp: Any, name: str) -> str:

@@ -107,6 +107,16 @@ class SamplingFields:
     logprobs: Optional[int] = None   # None: no logprobs; N: the sampled token's + the top-N
     n: int = 1
 
+    def check_ranges(self, prefix: str = "") -> None:
+        """The engine's own range checks (SamplingParams.validate, its wording) on the values a
+        text route forwards, before any reaches `llm`: InputError naming prefix + the field.
+        The limits that depend on the engine (max_model_len, vocabulary) stay the engine's."""
+        unbounded = 2**62
+        try:
+            self.to_params().validate(unbounded, unbounded, unbounded)
+        except ValueError as e:
+            raise InputError(prefix + str(e).split(" ", 1)[0], str(e)) from None
+
     def to_params(self, default_max_tokens: int = 16, default_temperature: float = 1.0):
         from backend_lib import SamplingParams
         return SamplingParams(
@@ -138,6 +148,7 @@ class TokenRequest:
     exclude_input: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    top_logprobs: Optional[int] = None  # N: the top-N logprobs per token as well (num_top_logprobs)
 
 
 @dataclass
@@ -154,6 +165,17 @@ class TextRequest:
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    # vllm_backend's outputs `logprobs` (needs sampling.logprobs) and `cumulative_logprob`
+    return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+    # n > 1: the route runs n single-sequence requests (triton_glue/sequences.py); this is one
+    sequence_index: int = 0
+    num_sequences: int = 1
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether `llm` must compute logprobs for this request."""
+        return self.sampling.logprobs is not None or self.return_cumulative_logprob
 
 
 # ---- request parameters -------------------------------------------------------------

@@ -34,10 +34,15 @@ STREAMING_ERROR = "Streaming is only supported in decoupled mode."
 
 def merge_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """One output per name from per-row outputs ([1, ...] each), stacked on axis 0 in
-    batch_index order; ragged trailing dims padded (-1 for numbers, b"" for strings)."""
+    (batch_index, sequence_index) order; ragged trailing dims padded (-1 for numbers, b"" for
+    strings)."""
     if len(rows) == 1:
         return rows[0]
-    rows = sorted(rows, key=lambda r: int(np.asarray(r.get("batch_index", [[0]])).reshape(-1)[0]))
+
+    def index(r: dict, name: str) -> int:
+        return int(np.asarray(r.get(name, [[0]])).reshape(-1)[0])
+
+    rows = sorted(rows, key=lambda r: (index(r, "batch_index"), index(r, "sequence_index")))
     out = {}
     for name in rows[0]:
         arrs = [np.asarray(r[name]) for r in rows if name in r]

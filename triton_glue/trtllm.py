@@ -11,6 +11,12 @@ TensorRT-LLM semantics matched here:
   - stop words are token sequences (multi-token allowed) that stay in the output;
   - streaming never carries the prompt; a non-streaming response leads with it unless
     `exclude_input_in_output`;
+  - `repetition_penalty` (> 0), `presence_penalty` / `frequency_penalty` ([-2, 2]) and our
+    `min_p` ([0, 1]) go to the engine (vLLM's semantics; the engine names a bad value's range);
+  - `return_log_probs`: `output_log_probs` [1, beams=1, N] (the logprob of each token of the
+    response, generated tokens only) and `cum_log_probs` [1, beams=1] (the sequence so far);
+  - `num_return_sequences` = n: n sequences per row, each response one sequence, carrying
+    `sequence_index` [1, 1] when n > 1; FINAL with the request's last response;
   - inputs this engine has no feature for are declared (Triton rejects undeclared inputs even
     at their neutral value) and accepted only at their neutral value; the error names them.
 """
@@ -22,19 +28,15 @@ from typing import Any, Optional
 import numpy as np
 
 from .inputs import Arrays, InputError, SamplingFields, TextRequest, TokenRequest, decode_utf8, parse_bool
+from .logprob_tensors import RANK_WINDOW
 
 # Input -> why a non-neutral value is refused. Neutral: false, 0, empty, all zeros, "" (or the
 # value in NEUTRAL_VALUES); absent is always fine.
 UNSUPPORTED = {
-    "return_log_probs": "log probabilities are not available in this engine yet",
     "return_context_logits": "this engine does not return logits",
     "return_generation_logits": "this engine does not return logits",
     "return_perf_metrics": "per-request perf metrics are not returned by this engine",
     "beam_width": "beam search is not supported (only 1)",
-    "num_return_sequences": "one sequence per request in this engine (only 1)",
-    "repetition_penalty": "penalties are not available in this engine yet (only 1.0)",
-    "presence_penalty": "penalties are not available in this engine yet (only 0.0)",
-    "frequency_penalty": "penalties are not available in this engine yet (only 0.0)",
     "len_penalty": "length penalty applies to beam search, which is not supported (only 1.0)",
     "length_penalty": "length penalty applies to beam search, which is not supported (only 1.0)",
     "beam_search_diversity_rate": "beam search is not supported (only 0.0)",
@@ -74,8 +76,7 @@ UNSUPPORTED = {
     "retention_decode_priority": "KV-cache retention is not supported",
     "retention_decode_duration_ms": "KV-cache retention is not supported",
 }
-NEUTRAL_VALUES = {"beam_width": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
-                  "len_penalty": 1.0, "length_penalty": 1.0, "runtime_top_p_decay": 1.0}
+NEUTRAL_VALUES = {"beam_width": 1, "len_penalty": 1.0, "length_penalty": 1.0, "runtime_top_p_decay": 1.0}
 # Accepted and without effect here: they only matter with a feature above (beam search,
 # top-p decay, draft tokens) or name the pad token / decoder side of a decoder-only model.
 IGNORED = ("early_stopping", "runtime_top_p_min", "runtime_top_p_reset_ids", "draft_acceptance_threshold",
@@ -230,6 +231,19 @@ def sampling_fields(arrays: Arrays, b: int = 0, batch: int = 1) -> SamplingField
         f.top_k = k if k > 0 else -1
         f.top_p = p if p > 0 else 1.0
     f.seed = _int(arrays, ("seed", "random_seed"), b, batch)
+    # None leaves SamplingParams' neutral default; the engine checks the ranges by name
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
+        v = _float(arrays, (name,), b, batch)
+        if v is not None:
+            setattr(f, name, v)
+    n = _int(arrays, ("num_return_sequences",), b, batch)
+    if n is not None:
+        from backend_lib.request import MAX_N
+        if not 1 <= n <= MAX_N:
+            raise InputError("num_return_sequences", f"must be in [1, {MAX_N}] (got {n})")
+        f.n = n
+    if _bool(arrays, ("return_log_probs",), b, batch, False):
+        f.logprobs = 0  # the sampled token's logprob (TensorRT-LLM returns no top-N)
     f.ignore_eos = _bool(arrays, ("ignore_eos",), b, batch, False)
     ids = row(arrays, "stop_token_ids", b, batch)  # ours: single ids, -1 pads ragged lists
     f.stop_token_ids = [int(t) for t in np.asarray(ids).reshape(-1) if t >= 0] if ids is not None else []
@@ -254,6 +268,14 @@ def sampling_fields(arrays: Arrays, b: int = 0, batch: int = 1) -> SamplingField
 class TokenRow(TokenRequest):
     batch_index: int = 0
     batch_size: int = 1
+
+
+def _top_logprobs(arrays: Arrays, b: int, batch: int) -> Optional[int]:
+    """Ours (`num_top_logprobs`, what vllm_model asks for): the top-N logprobs per token."""
+    top = _int(arrays, ("num_top_logprobs",), b, batch)
+    if top is not None and not 0 <= top <= RANK_WINDOW:
+        raise InputError("num_top_logprobs", f"must be in [0, {RANK_WINDOW}] (got {top})")
+    return top
 
 
 def parse_token_requests(arrays: Arrays) -> list[TokenRow]:
@@ -283,9 +305,12 @@ def parse_token_requests(arrays: Arrays) -> list[TokenRow]:
         samp = sampling_fields(arrays, b, batch)
         if samp.max_tokens is None:
             raise InputError("request_output_len", "is required (alias max_tokens)")
+        top = _top_logprobs(arrays, b, batch)
+        if top is not None:
+            samp.logprobs = RANK_WINDOW  # the sampled token's rank needs the top of the distribution
         stream = _bool(arrays, ("streaming", "stream"), b, batch, False)
         exclude = _bool(arrays, ("exclude_input_in_output",), b, batch, False)
-        out.append(TokenRow(
+        out.append(TokenRow(top_logprobs=top,
             prompt_ids=prompt, sampling=samp, stream=stream,
             exclude_input=exclude or stream,  # TensorRT-LLM never streams the prompt
             return_num_input_tokens=_bool(arrays, ("return_num_input_tokens",), b, batch, False),
@@ -328,6 +353,7 @@ def parse_text_requests(arrays: Arrays) -> list[TextRow]:
         samp = sampling_fields(arrays, b, batch)
         if samp.max_tokens is None:
             raise InputError("max_tokens", "is required")
+        samp.check_ranges()  # before any row (or any of its n sequences) reaches the engine
         stream = _bool(arrays, ("stream", "streaming"), b, batch, False)
         out.append(TextRow(
             text=prompt, sampling=samp, stop_strings=_strings(arrays, "stop_words", b, batch),

@@ -22,13 +22,16 @@ _SUPPORTED: dict[str, type] = {
     "max_tokens": int, "min_tokens": int, "temperature": float, "top_k": int, "top_p": float,
     "seed": int, "ignore_eos": bool, "include_stop_str_in_output": bool,
     "skip_special_tokens": bool, "stop": list, "stop_token_ids": list, "bad_words": list,
+    "n": int, "logprobs": int, "presence_penalty": float, "frequency_penalty": float,
+    "repetition_penalty": float, "min_p": float,
 }
 # vLLM keys accepted only at their neutral value (the engine has no such feature).
 _NEUTRAL: dict[str, Any] = {
-    "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0, "min_p": 0.0, "logprobs": None, "prompt_logprobs": None,
+    "best_of": 1, "prompt_logprobs": None,
     "detokenize": True, "spaces_between_special_tokens": True, "lora_name": None,
 }
+MAX_N = 16         # backend_lib.request.MAX_N
+MAX_LOGPROBS = 20  # backend_lib.layers.logprobs.MAX_LOGPROBS
 
 
 def _cast(key: str, typ: type, value: Any) -> Any:
@@ -104,10 +107,15 @@ def parse_sampling_parameters(text: Optional[str]) -> tuple[SamplingFields, dict
             if not ok:
                 raise InputError(f"sampling_parameters.{key}",
                                  f"is not supported by this engine (only {neutral!r} is accepted, got {v!r})")
-    for key in ("max_tokens", "min_tokens", "top_k", "seed"):
+    for key in ("max_tokens", "min_tokens", "top_k", "seed", "n", "logprobs"):
         if key in params:
             setattr(samp, key, _cast(key, int, params[key]))
-    for key in ("temperature", "top_p"):
+    # the engine checks the other ranges and names the key; these two shape the route's work
+    if not 1 <= samp.n <= MAX_N:
+        raise InputError("sampling_parameters.n", f"must be in [1, {MAX_N}] (got {samp.n})")
+    if samp.logprobs is not None and not 0 <= samp.logprobs <= MAX_LOGPROBS:
+        raise InputError("sampling_parameters.logprobs", f"must be in [0, {MAX_LOGPROBS}] (got {samp.logprobs})")
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if key in params:
             setattr(samp, key, _cast(key, float, params[key]))
     if "ignore_eos" in params:
@@ -121,6 +129,7 @@ def parse_sampling_parameters(text: Optional[str]) -> tuple[SamplingFields, dict
     for key in ("include_stop_str_in_output", "skip_special_tokens"):
         if key in params:
             extra[key] = _cast(key, bool, params[key])
+    samp.check_ranges("sampling_parameters.")
     return samp, extra
 
 
@@ -165,9 +174,6 @@ def _parse_vllm_request(arrays: Arrays, request_parameters: Optional[str]) -> Te
         exclude = bool(stream)  # vllm_backend: prepend the prompt unless streaming
     if stream and not exclude:
         raise VllmRequestError("exclude_input_in_output", STREAM_PROMPT_ERROR)
-    for name in ("return_logprobs", "return_cumulative_logprob"):
-        if get_bool(arrays, name, False):
-            raise InputError(name, "log probabilities are not available in this engine yet")
     for name, why in (("image", "multimodal inputs are not supported"),
                       ("embedding_request", "embedding requests are not supported")):
         if name in arrays and np.asarray(arrays[name]).size:
@@ -180,4 +186,6 @@ def _parse_vllm_request(arrays: Arrays, request_parameters: Optional[str]) -> Te
         return_finish_reason=get_bool(arrays, "return_finish_reason", False),
         return_num_input_tokens=get_bool(arrays, "return_num_input_tokens", False),
         return_num_output_tokens=get_bool(arrays, "return_num_output_tokens", False),
+        return_logprobs=get_bool(arrays, "return_logprobs", False),
+        return_cumulative_logprob=get_bool(arrays, "return_cumulative_logprob", False),
     )

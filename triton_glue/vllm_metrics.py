@@ -78,7 +78,9 @@ class _Request(RequestHooks):
         self.t0 = self.t_last = time.monotonic()
         self.first = True
         self.done = False
-        self.n = 1
+        # n > 1 runs as n sequences (triton_glue/sequences.py): each counts its own tokens, the
+        # first one observes the request's n
+        self.n = 1 if req is None else (req.num_sequences if req.sequence_index == 0 else None)
         route._gauges(0, 1)
 
     def tokens(self, n: int) -> None:
@@ -114,7 +116,8 @@ class _Request(RequestHooks):
         m.e2e.observe(time.monotonic() - self.t0)
         m.req_prompt.observe(num_prompt)
         m.req_gen.observe(num_generated)
-        m.n.observe(self.n)
+        if self.n is not None:
+            m.n.observe(self.n)
         m.success[reason if reason in m.success else "abort"].increment(1)
 
 

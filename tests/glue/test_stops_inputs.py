@@ -50,13 +50,24 @@ def test_vllm_sampling_parameters_coercion():
     assert extra["stop"] == ["END"] and samp.stop_token_ids == [3, 4] and samp.seed is None
     for bad, field in [({"foo": 1}, "sampling_parameters.foo"),
                        ({"max_tokens": "five"}, "sampling_parameters.max_tokens"),
-                       ({"n": 2}, "sampling_parameters.n"),
+                       ({"n": 17}, "sampling_parameters.n: must be in [1, 16] (got 17)"),
+                       ({"n": "0"}, "sampling_parameters.n: must be in [1, 16] (got 0)"),
+                       ({"logprobs": 21}, "sampling_parameters.logprobs: must be in [0, 20] (got 21)"),
+                       ({"min_p": "x"}, "sampling_parameters.min_p: must be float"),
+                       ({"best_of": 2}, "sampling_parameters.best_of"),
                        ({"ignore_eos": "maybe"}, "ignore_eos")]:
         with pytest.raises(InputError) as e:
             parse_sampling_parameters(json.dumps(bad))
         assert str(e.value).startswith(field), str(e.value)
     with pytest.raises(InputError, match="^sampling_parameters: is not valid JSON"):
         parse_sampling_parameters("{")
+    # the sampler keys, numbers as strings as genai-perf sends them, reach SamplingParams
+    samp, _ = parse_sampling_parameters(json.dumps(
+        {"n": "4", "logprobs": "2", "presence_penalty": "0.5", "frequency_penalty": -0.25,
+         "repetition_penalty": "1.2", "min_p": "0.05"}))
+    p = samp.to_params()
+    assert (p.n, p.logprobs, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == \
+        (4, 2, 0.5, -0.25, 1.2, 0.05)
 
 
 def test_vllm_request_defaults():
@@ -69,10 +80,9 @@ def test_vllm_request_defaults():
         parse_vllm_request({**t, "stream": np.array([True]), "exclude_input_in_output": np.array([False])})
     assert str(e.value) == ("Error generating stream: When streaming, `exclude_input_in_output` = False "
                             "is not allowed.") and e.value.field == "exclude_input_in_output"
-    for name in ("return_logprobs", "return_cumulative_logprob"):
-        with pytest.raises(InputError) as e:
-            parse_vllm_request({**t, name: np.array([True])})
-        assert str(e.value).startswith(f"Error generating stream: {name}: "), str(e.value)
+    r = parse_vllm_request({**t, "return_logprobs": np.array([True]), "return_cumulative_logprob": np.array([True])})
+    assert r.return_logprobs and r.return_cumulative_logprob and r.wants_logprobs
+    assert not parse_vllm_request(t).wants_logprobs
 
 
 class _FakeMetricFamily:

@@ -92,15 +92,13 @@ def test_trtllm_top_k_top_p_greedy_rule(k, p, temp, expect):
 
 def test_unsupported_inputs_name_themselves_and_accept_neutral_values():
     base = {"input_ids": np.ones((1, 3), np.int32), "max_tokens": arr(4, np.int32)}
-    neutral = {"beam_width": arr(1, np.int32), "num_return_sequences": arr(1, np.int32),
-               "return_log_probs": arr(False, bool), "repetition_penalty": arr(1.0, np.float32),
-               "presence_penalty": arr(0.0, np.float32), "embedding_bias": np.zeros((1, 0), np.float32),
+    neutral = {"beam_width": arr(1, np.int32), "return_context_logits": arr(False, bool),
+               "embedding_bias": np.zeros((1, 0), np.float32),
                "decoder_input_ids": arr(3, np.int32), "lora_task_id": arr(0, np.uint64),
                "guided_decoding_guide_type": np.array([[b""]], object), "early_stopping": arr(True, bool)}
     parse_token_requests({**base, **neutral})
-    for name, value in {"beam_width": arr(2, np.int32), "num_return_sequences": arr(3, np.int32),
-                        "return_log_probs": arr(True, bool), "return_context_logits": arr(True, bool),
-                        "repetition_penalty": arr(1.2, np.float32), "frequency_penalty": arr(0.5, np.float32),
+    for name, value in {"beam_width": arr(2, np.int32), "return_context_logits": arr(True, bool),
+                        "len_penalty": arr(0.5, np.float32),
                         "embedding_bias": np.ones((1, 8), np.float32), "lora_task_id": arr(7, np.uint64),
                         "guided_decoding_guide_type": np.array([[b"json"]], object),
                         "decoder_input_ids": np.ones((1, 4), np.int32)}.items():
@@ -111,6 +109,32 @@ def test_unsupported_inputs_name_themselves_and_accept_neutral_values():
         parse_token_requests({**base, "bad_words_list": to_word_list([[4], [5, 6]])[None]})
     assert parse_token_requests({**base, "bad_words_list": to_word_list([[4], [5]])[None]})[0] \
         .sampling.bad_token_ids == [4, 5]
+
+
+def test_sampler_inputs_reach_the_engine_parameters():
+    base = {"input_ids": np.ones((1, 3), np.int32), "max_tokens": arr(4, np.int32)}
+    row = parse_token_requests({**base, "repetition_penalty": arr(1.3, np.float32),
+                                "presence_penalty": arr(-0.5, np.float32), "frequency_penalty": arr(0.25, np.float32),
+                                "min_p": arr(0.125, np.float32), "num_return_sequences": arr(4, np.int32),
+                                "return_log_probs": arr(True, bool)})[0]
+    p = row.sampling.to_params()
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_p, p.n, p.logprobs) == \
+        (pytest.approx(1.3), -0.5, 0.25, 0.125, 4, 0)
+    assert row.top_logprobs is None
+    # neutral values and absence are the engine's defaults
+    p = parse_token_requests({**base, "return_log_probs": arr(False, bool), "num_return_sequences": arr(1, np.int32)}
+                             )[0].sampling.to_params()
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_p, p.n, p.logprobs) == \
+        (1.0, 0.0, 0.0, 0.0, 1, None)
+    # ours: the top-N too (the engine is asked for the top 20, for the sampled token's rank)
+    row = parse_token_requests({**base, "num_top_logprobs": arr(3, np.int32)})[0]
+    assert row.top_logprobs == 3 and row.sampling.logprobs == 20
+    for name, value, match in (("num_return_sequences", arr(17, np.int32), r"\[1, 16\] \(got 17\)"),
+                               ("num_return_sequences", arr(0, np.int32), r"\[1, 16\] \(got 0\)"),
+                               ("num_top_logprobs", arr(21, np.int32), r"\[0, 20\] \(got 21\)"),
+                               ("repetition_penalty", arr(np.nan, np.float32), "finite")):
+        with pytest.raises(InputError, match=f"^{name}: .*{match}"):
+            parse_token_requests({**base, name: value})
 
 
 class _Recording(dict):

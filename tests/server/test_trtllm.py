@@ -171,11 +171,11 @@ def test_postprocessing_decodes_tensorrt_llm_token_batches(server, tokenizer, re
 
 @pytest.mark.parametrize("model,name,value", [
     ("ensemble", "beam_width", one(2, np.int32)),
-    ("ensemble", "return_log_probs", one(True, bool)),
+    ("ensemble", "return_context_logits", one(True, bool)),
     ("ensemble", "lora_task_id", one(5, np.uint64)),
     ("llm_bls", "embedding_bias_words", np.array([[b"foo"]], object)),
     ("llm", "guided_decoding_guide_type", np.array([[b"json"]], object)),
-    ("llm", "repetition_penalty", one(1.3, np.float32)),
+    ("llm", "len_penalty", one(1.3, np.float32)),
 ])
 def test_unsupported_inputs_are_refused_by_name_neutral_ones_accepted(server, model, name, value):
     base = ({"input_ids": np.array([[1, 300, 301]], np.int32), "request_output_len": one(3, np.int32)}

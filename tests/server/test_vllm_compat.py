@@ -21,9 +21,8 @@ def test_stream_with_prompt_is_refused_in_vllm_backend_words(server):
                                                          "exclude_input_in_output": False}, batched=False)
     assert c.finals == 1 and c.errors and c.errors[0].endswith(
         "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."), c.errors
-    c = grpc_stream_one(server.grpc_url, "vllm_model", {**vllm_body("Hi", max_tokens="3"),
-                                                         "return_logprobs": True}, batched=False)
-    assert c.finals == 1 and "return_logprobs" in c.errors[0], c.errors
+    c = grpc_stream_one(server.grpc_url, "vllm_model", vllm_body("Hi", max_tokens="3", best_of="2"), batched=False)
+    assert c.finals == 1 and c.errors[0].startswith("Error generating stream: sampling_parameters.best_of"), c.errors
 
 
 def test_vllm_metrics_count_every_request_exactly(server, tokenizer):

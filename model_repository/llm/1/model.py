@@ -33,6 +33,7 @@ from triton_glue import config as glue_config  # noqa: E402
 from triton_glue.bls import CANCEL_PREFIX  # noqa: E402
 from triton_glue.detokenizer import PREFIX_WINDOW  # noqa: E402
 from triton_glue.inputs import InputError, get_bool, reject_unknown_parameters  # noqa: E402
+from triton_glue.logprob_tensors import sampled_logprobs, top_logprobs  # noqa: E402
 from triton_glue.trtllm import parse_token_requests  # noqa: E402
 from triton_glue.metrics import EngineMetrics  # noqa: E402
 
@@ -79,9 +80,20 @@ def _error_response(message, in_band):
     ])
 
 
+class _Sequence:
+    """What the sender keeps per sequence of a request (n > 1: one per sequence index)."""
+    __slots__ = ("tail", "first_sent", "pending", "pending_logprobs")
+
+    def __init__(self, prompt):
+        self.tail = list(prompt[-PREFIX_WINDOW:])  # tokens before the next chunk
+        self.first_sent = False
+        self.pending = []           # non-streaming: the tokens so far
+        self.pending_logprobs = []  # and their logprob dicts, when requested
+
+
 class _Inflight:
     __slots__ = ("rid", "group", "batch_index", "batch_size", "stream", "exclude_input", "prompt",
-                 "tail", "first_sent", "ret_in", "ret_out", "pending", "t_arrival", "t_first",
+                 "seqs", "n", "logprobs", "top_n", "ret_in", "ret_out", "t_arrival", "t_first",
                  "t_last", "n_out", "cancelled", "last_cancel_check")
 
     def __init__(self, rid, group, req):
@@ -92,17 +104,25 @@ class _Inflight:
         self.stream = req.stream
         self.exclude_input = req.exclude_input
         self.prompt = req.prompt_ids
-        self.tail = list(req.prompt_ids[-PREFIX_WINDOW:])  # tokens before the next chunk
-        self.first_sent = False
+        self.seqs = {}
+        self.n = req.sampling.n
+        # return_log_probs (top_n None: TensorRT-LLM's outputs only) or num_top_logprobs = N
+        self.logprobs = req.sampling.logprobs is not None
+        self.top_n = req.top_logprobs
         self.ret_in = req.return_num_input_tokens
         self.ret_out = req.return_num_output_tokens
-        self.pending = []          # non-streaming: the tokens so far
         self.t_arrival = time.monotonic()
         self.t_first = None
         self.t_last = None
         self.n_out = 0
         self.cancelled = False
         self.last_cancel_check = 0.0
+
+    def seq(self, index):
+        s = self.seqs.get(index)
+        if s is None:
+            s = self.seqs[index] = _Sequence(self.prompt)
+        return s
 
 
 class TritonPythonModel:
@@ -263,20 +283,26 @@ class TritonPythonModel:
             self._send(ctx, pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 "request cancelled", pb_utils.TritonError.CANCELLED)), True, only_if_last=True)
             return
+        # n > 1: `finished` comes once, with the request's last output; a sequence ends with
+        # its finish_reason
+        seq_done = out.finished or out.finish_reason is not None
+        seq = ctx.seq(out.index)
+        lps = out.new_logprobs or []
         if not ctx.stream:
-            ctx.pending.extend(new)
-            if not out.finished:
+            seq.pending.extend(new)
+            seq.pending_logprobs.extend(lps)
+            if not seq_done:
                 return
-            new = ctx.pending
-        elif not new and not out.finished:
+            new, lps = seq.pending, seq.pending_logprobs
+        elif not new and not seq_done:
             return
         ids = new
-        prefix = ctx.tail
-        if not ctx.first_sent and not ctx.exclude_input:
+        prefix = seq.tail
+        if not seq.first_sent and not ctx.exclude_input:
             ids = list(ctx.prompt) + list(new)
             prefix = []
-        ctx.first_sent = True
-        ctx.tail = (ctx.tail + list(new))[-PREFIX_WINDOW:]
+        seq.first_sent = True
+        seq.tail = (seq.tail + list(new))[-PREFIX_WINDOW:]
         # TensorRT-LLM's layout: output_ids [1, beams, N], sequence_length [1, beams]
         # (output_ids first: benchmark_core_model.py reads the first output's shape)
         tensors = [
@@ -284,10 +310,20 @@ class TritonPythonModel:
             pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
             pb_utils.Tensor("prefix_ids", np.asarray(prefix, dtype=np.int32).reshape(1, -1)),
             pb_utils.Tensor("finish_reason", np.asarray(
-                [[str(out.finish_reason).encode() if out.finished else b""]], dtype=np.object_)),
+                [[str(out.finish_reason).encode() if seq_done else b""]], dtype=np.object_)),
         ]
         if ctx.batch_size > 1:
             tensors.append(pb_utils.Tensor("batch_index", np.asarray([[ctx.batch_index]], dtype=np.int32)))
+        if ctx.n > 1:  # TensorRT-LLM sends sequence_index only with num_return_sequences > 1
+            tensors.append(pb_utils.Tensor("sequence_index", np.asarray([[out.index]], dtype=np.int32)))
+        if ctx.logprobs:
+            tensors.append(pb_utils.Tensor("output_log_probs", sampled_logprobs(new, lps)))
+            cum = out.cumulative_logprob if out.cumulative_logprob is not None else 0.0
+            tensors.append(pb_utils.Tensor("cum_log_probs", np.asarray([[cum]], dtype=np.float32)))
+            if ctx.top_n is not None:
+                top_ids, top_vals, ranks = top_logprobs(new, lps, ctx.top_n)
+                tensors += [pb_utils.Tensor("top_logprob_ids", top_ids), pb_utils.Tensor("top_logprobs", top_vals),
+                            pb_utils.Tensor("output_log_prob_ranks", ranks)]
         if ctx.ret_in:
             tensors.append(pb_utils.Tensor("num_input_tokens",
                                            np.asarray([[len(ctx.prompt)]], dtype=np.int32)))

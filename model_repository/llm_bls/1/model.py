@@ -2,7 +2,8 @@
 BLS: `preprocessing` (stop words -> token sequences), then `llm` streaming, detokenized
 incrementally here. As in TensorRT-LLM: [B, 1] inputs give B generations (batch_index on each
 response), stop words stay in the output, streaming never carries the prompt, top_k = 0 and
-top_p = 0 is greedy. See triton_glue/bls.py and triton_glue/trtllm.py."""
+top_p = 0 is greedy; num_return_sequences = n gives n sequences, one per response with
+sequence_index; return_log_probs adds cum_log_probs / output_log_probs. See triton_glue/bls.py and triton_glue/trtllm.py."""
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
 from triton_glue.batch import BatchSender  # noqa: E402
 from triton_glue.bls import BlsRoute, answers_in_band, error_response  # noqa: E402
 from triton_glue.inputs import InputError, reject_unknown_parameters  # noqa: E402
+from triton_glue.sequences import fan_out  # noqa: E402
 from triton_glue.trtllm import parse_text_requests  # noqa: E402
 
 
@@ -24,6 +26,12 @@ def _response(req, chunk):
     tensors = [pb_utils.Tensor("text_output", np.array([chunk.text.encode("utf-8")], dtype=np.object_))]
     if req.batch_size > 1:
         tensors.append(pb_utils.Tensor("batch_index", np.array([[req.batch_index]], dtype=np.int32)))
+    if req.num_sequences > 1:  # as TensorRT-LLM: one sequence per response, sequence_index when n > 1
+        tensors.append(pb_utils.Tensor("sequence_index", np.array([[req.sequence_index]], dtype=np.int32)))
+    if req.sampling.logprobs is not None and chunk.logprobs is not None:  # return_log_probs
+        lp = chunk.logprobs
+        tensors.append(pb_utils.Tensor("cum_log_probs", np.array([[lp.cumulative or 0.0]], dtype=np.float32)))
+        tensors.append(pb_utils.Tensor("output_log_probs", np.array(lp.sampled, dtype=np.float32).reshape(1, 1, -1)))
     if req.return_num_input_tokens:
         tensors.append(pb_utils.Tensor("num_input_tokens", np.array([[chunk.num_input_tokens]], dtype=np.int32)))
     if req.return_num_output_tokens:
@@ -45,12 +53,13 @@ class TritonPythonModel:
                 request.get_response_sender().send(error_response(pb_utils, str(e), answers_in_band(request)),
                                                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            if len(rows) == 1:
-                self.route.submit(request, rows[0])
+            seqs = [seq for row in rows for seq in fan_out(row)]  # num_return_sequences
+            if len(seqs) == 1:
+                self.route.submit(request, seqs[0])
                 continue
-            batch = BatchSender(pb_utils, request.get_response_sender(), len(rows))
-            for row in rows:
-                self.route.submit(request, row, sender=batch.row())
+            batch = BatchSender(pb_utils, request.get_response_sender(), len(seqs))
+            for seq in seqs:
+                self.route.submit(request, seq, sender=batch.row())
         return None
 
     def finalize(self):
