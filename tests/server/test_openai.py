@@ -23,6 +23,7 @@ from backend_lib import SamplingParams
 from triton_glue.detokenizer import full_text
 
 from .conftest import MODEL_DIR, ROOT, free_ports
+from .hf_reference import hf, hf_logprobs, hf_top  # noqa: F401 - hf: a fixture
 from .util import grpc_stream_one, wait_for
 
 MODEL = "vllm_model"
@@ -387,15 +388,90 @@ def test_bad_input_through_openai_package(client):
     assert e.value.param == "model" and e.value.code == "model_not_found"
 
 
-def test_penalties_are_forwarded(client, frontend):
-    """Penalties go to the engine as given: at their neutral values they are accepted; a value the
-    engine cannot honour is a 400 naming the field (never silently ignored)."""
-    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, presence_penalty=0.0,
-                                  frequency_penalty=0.0, extra_body={"repetition_penalty": 1.0})
-    assert r.choices[0].finish_reason
-    status, body = frontend.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3,
-                                                     "presence_penalty": 0.5})
-    assert status == 200 or (status == 400 and body["error"]["param"] == "presence_penalty"), body
+SAMPLER_PROMPT = "The capital of France is"
+SAMPLER_TOKENS = 12
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.3}
+REPETITION = 1.3  # vLLM's extra parameter (extra_body)
+
+
+@pytest.fixture(scope="module")
+def penalised(tokenizer, reference_engine):
+    ids = tokenizer.encode(SAMPLER_PROMPT)
+    out = reference_engine.generate([ids], SamplingParams(max_tokens=SAMPLER_TOKENS, temperature=0.0, ignore_eos=True,
+                                                          repetition_penalty=REPETITION, **PENALTIES))[0]
+    plain = reference_engine.generate([ids], SamplingParams(max_tokens=SAMPLER_TOKENS, temperature=0.0,
+                                                            ignore_eos=True))[0]
+    assert list(out.token_ids) != list(plain.token_ids), "the penalties must change this greedy run"
+    return ids, list(out.token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_penalties_and_logprobs(client, tokenizer, hf, penalised, stream):
+    ids, gen = penalised
+    kw = dict(model=MODEL, prompt=SAMPLER_PROMPT, max_tokens=SAMPLER_TOKENS, temperature=0, logprobs=2,
+              extra_body={"repetition_penalty": REPETITION, "ignore_eos": True}, **PENALTIES)
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = sum((lp.tokens for lp in lps), [])
+        token_lps = sum((lp.token_logprobs for lp in lps), [])
+        tops = sum((lp.top_logprobs for lp in lps), [])
+        offsets = sum((lp.text_offset for lp in lps), [])
+    else:
+        choice = client.completions.create(**kw).choices[0]
+        text, lp = choice.text, choice.logprobs
+        tokens, token_lps, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    assert text == tokenizer.decode(gen, skip_special_tokens=True)
+    assert tokens == [tokenizer.decode([t]) for t in gen]
+    want = hf_logprobs(hf, ids, gen)
+    assert len(token_lps) == len(gen) and all(abs(a - b) < 1e-4 for a, b in zip(token_lps, want))
+    for i, (top, (vals, idx)) in enumerate(zip(tops, hf_top(hf, ids, gen, 2))):
+        # OpenAI's top_logprobs: the sampled token and the top 2, by their text
+        assert tokens[i] in top and len(top) <= 3
+        for v, t in zip(vals.tolist(), idx.tolist()):
+            assert abs(top[tokenizer.decode([t])] - v) < 1e-4
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_chat_logprobs(client, tokenizer, hf):
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert content
+    # greedy: each sampled token is HF's top 1 after the ones before it
+    seq = []
+    for c in content:
+        (vals, idx), = hf_top(hf, ids, seq + [0], 2)[len(seq):len(seq) + 1]
+        assert abs(c.logprob - float(vals[0])) < 1e-4 and c.token == tokenizer.decode([int(idx[0])])
+        assert [t.token for t in c.top_logprobs] == [tokenizer.decode([int(t)]) for t in idx]
+        assert all(abs(t.logprob - float(v)) < 1e-4 for t, v in zip(c.top_logprobs, vals))
+        assert c.bytes == list(c.token.encode("utf-8"))
+        seq.append(int(idx[0]))
+    assert tokenizer.decode(seq, skip_special_tokens=True) == r.choices[0].message.content
+
+
+def test_n_choices_seeded_distinct_and_reproducible(client, tokenizer, reference_engine):
+    ids = tokenizer.encode(SAMPLER_PROMPT)
+    ref = reference_engine.generate([ids], SamplingParams(max_tokens=SAMPLER_TOKENS, temperature=1.0, seed=11, n=4,
+                                                          ignore_eos=True))
+    want = [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in ref]
+    assert len(set(want)) == 4
+    kw = dict(model=MODEL, prompt=SAMPLER_PROMPT, max_tokens=SAMPLER_TOKENS, temperature=1.0, seed=11, n=4,
+              extra_body={"ignore_eos": True})
+    for _ in range(2):
+        r = client.completions.create(**kw)
+        assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+        assert r.usage.completion_tokens == 4 * SAMPLER_TOKENS
+    texts = {i: "" for i in range(4)}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[i] for i in range(4)] == want
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=1.0, seed=3, n=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
 
 
 def test_invalid_json_and_unknown_route(frontend):

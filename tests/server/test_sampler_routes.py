@@ -7,11 +7,10 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from backend_lib import SamplingParams
 
-from .conftest import MODEL_DIR
+from .hf_reference import hf, hf_logprobs, hf_ranks, hf_top  # noqa: F401 - hf: a fixture
 from .util import StreamClient, grpc_stream_one
 
 PROMPT = "The capital of France is"
@@ -22,35 +21,6 @@ TOL = 1e-4
 
 def one(v, dtype):
     return np.array([[v]], dtype=dtype)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
-
-
-def hf_logprobs(hf, prompt, gen):
-    """log_softmax of HF's logits at each generated position, of the generated token."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([list(prompt) + list(gen)])).logits[0].double()
-    lp = torch.log_softmax(logits, dim=-1)
-    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(gen)]
-
-
-def hf_top(hf, prompt, gen, k):
-    with torch.no_grad():
-        logits = hf(torch.tensor([list(prompt) + list(gen)])).logits[0].double()
-    lp = torch.log_softmax(logits, dim=-1)
-    return [lp[len(prompt) - 1 + i].topk(k) for i in range(len(gen))]
-
-
-def hf_ranks(hf, prompt, gen):
-    """vLLM's rank of each generated token: how many tokens have a logprob >= its own."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([list(prompt) + list(gen)])).logits[0].double()
-    lp = torch.log_softmax(logits, dim=-1)
-    return [int((lp[len(prompt) - 1 + i] >= lp[len(prompt) - 1 + i, t]).sum()) for i, t in enumerate(gen)]
 
 
 @pytest.fixture(scope="module")
