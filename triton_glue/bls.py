@@ -227,9 +227,11 @@ class BlsRoute:
                    route_name=str(args.get("model_name", "bls")), upstream_timeout_s=timeout_s)
 
     # ---- called from execute ------------------------------------------------------------
-    def execute(self, requests: Any, parse: Callable[[dict, Any], TextRequest]) -> None:
-        """A BLS model's execute(): parse(input arrays by name, request) and submit each request;
-        one that fails to parse (InputError) gets the error as its only, FINAL, response."""
+    def execute(self, requests: Any, parse: Callable[[dict, Any], TextRequest],
+                submit: Optional[Callable[[Any, TextRequest], None]] = None) -> None:
+        """A BLS model's execute(): parse(input arrays by name, request) and submit each request
+        (submit: the model's own, e.g. one that runs n sequences; default self.submit); one
+        that fails to parse (InputError) gets the error as its only, FINAL, response."""
         pb = self.pb
         for request in requests:
             try:
@@ -241,7 +243,7 @@ class BlsRoute:
                 log.exception("BLS request parsing failed")
                 message = f"invalid request: {e!r}"
             else:
-                self.submit(request, parsed)
+                (submit or self.submit)(request, parsed)
                 continue
             request.get_response_sender().send(error_response(pb, message, answers_in_band(request)),
                                                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -435,7 +435,8 @@ def test_completion_penalties_and_logprobs(client, tokenizer, hf, penalised, str
 
 
 def test_chat_logprobs(client, tokenizer, hf):
-    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    # the frontend renders the template; the route tokenizes the text
+    ids = tokenizer.encode(tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True))
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=2)
     content = r.choices[0].logprobs.content

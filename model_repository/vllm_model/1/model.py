@@ -17,7 +17,7 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
 
 from triton_glue.bls import BlsRoute  # noqa: E402
 from triton_glue.config import parameters_of  # noqa: E402
-from triton_glue.inputs import InputError, client_parameters, reject_unknown_parameters, request_parameters  # noqa: E402
+from triton_glue.inputs import client_parameters, reject_unknown_parameters, request_parameters  # noqa: E402
 from triton_glue.logprob_tensors import vllm_logprobs_json  # noqa: E402
 from triton_glue.sequences import SequenceJoiner, fan_out  # noqa: E402
 from triton_glue.vllm_compat import parse_vllm_request  # noqa: E402
@@ -84,24 +84,17 @@ class TritonPythonModel:
         return _Responses(req, self.decode)([chunk], [chunk.finish_reason if chunk.final else None])
 
     def execute(self, requests):
-        for request in requests:
-            try:
-                arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-                parsed = _parse(arrays, request)
-            except Exception as e:  # noqa: BLE001 - InputError names the field; anything else still ends the request
-                message = str(e) if isinstance(e, InputError) else f"invalid request: {e!r}"
-                request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
-                                                   flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                continue
-            seqs = fan_out(parsed)
-            if len(seqs) == 1:
-                self.route.submit(request, parsed)
-                continue
-            joiner = SequenceJoiner(pb_utils, request.get_response_sender(), len(seqs), parsed.stream,
-                                    _Responses(seqs[0], self.decode))
-            for seq in seqs:
-                self.route.submit(request, seq, sender=joiner.sequence())
-        return None
+        return self.route.execute(requests, _parse, submit=self._submit)
+
+    def _submit(self, request, parsed):
+        seqs = fan_out(parsed)
+        if len(seqs) == 1:
+            self.route.submit(request, parsed)
+            return
+        joiner = SequenceJoiner(pb_utils, request.get_response_sender(), len(seqs), parsed.stream,
+                                _Responses(seqs[0], self.decode))
+        for seq in seqs:
+            self.route.submit(request, seq, sender=joiner.sequence())
 
     def finalize(self):
         self.route.close()
