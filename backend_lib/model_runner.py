@@ -285,8 +285,8 @@ class ModelRunner:
         counted here, right after sampling (`samples`: rows whose token is a real output)."""
         logits = self.model.compute_logits(hidden)
         raw = logits
-        if logprobs:
-            logits = logits.clone()  # logprobs are of the raw logits; the filters work in place
+        if logprobs and masks:
+            logits = logits.clone()  # logprobs are of the raw logits; only masks/penalties write in place
         st = SamplingTensors(
             temperature=self.temperature[slot_c], top_k=self.top_k[slot_c], top_p=self.top_p[slot_c],
             seed=self.seed[slot_c], position=next_pos, banned_ids=self.banned[slot_c],

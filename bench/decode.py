@@ -7,6 +7,7 @@ token handoff), one run, one table per model.
     python -m bench.decode --model /path/to/hf/checkpoint --device cuda --dtype bfloat16
     python -m bench.decode --device cuda --preset qwen2.5-0.5b --impls async --batches 1,64,256 \
         --sampling greedy,temperature,top_p,logprobs              # issue 14's sampler rows
+        [--sampler split,rows]                                    # both kernel sets, one engine each
 
 What is measured (greedy unless --sampling, ignore EOS, every request of a batch has the
 same prompt length):
@@ -265,10 +266,15 @@ def bench_hf(spec: ModelSpec, args) -> list[Row]:
 
 # ---- our engine ----------------------------------------------------------------------------------------
 
-def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = None) -> list[Row]:
+def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = None,
+                 sampler: Optional[str] = None) -> list[Row]:
     """timeline: {"batch": B, "steps": N, "skip": K, "lanes": dict} to record N steady decode
-    steps of batch B (CUDA events of each step) into lanes[impl]."""
+    steps of batch B (CUDA events of each step) into lanes[impl]. sampler: the sampling
+    kernels' implementation for this engine (sampling_kernels.IMPL; its graphs keep it)."""
     from backend_lib import EngineConfig, LLMEngine
+    from backend_lib.layers import sampling_kernels
+    if sampler:
+        sampling_kernels.IMPL = sampler
     from bench._timeline import StepRecorder
 
     name = spec.name
@@ -286,6 +292,8 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
     eng = LLMEngine(cfg)
     t_init = time.perf_counter() - t_init
     impl = ("engine async" if eng.async_enabled else "engine sync") + (f" pp{args.pp}" if args.pp > 1 else "")
+    if len(args.sampler_list) > 1:
+        impl += f" [{sampler}]"
     print(f"  {impl}: engine ready in {t_init:.1f} s", file=sys.stderr, flush=True)
     if mode == "on":
         assert eng.async_enabled, eng.decision
@@ -371,7 +379,7 @@ def markdown_table(rows: list[Row], cuda: bool) -> str:
         head += ["GPU busy %", "idle gap p50 µs", "idle gap p99 µs"]
     head += ["host ms/step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for r in sorted(rows, key=lambda r: (r.batch, _ORDER.get(r.impl, 9), list(SAMPLING_MODES).index(r.sampling))):
+    for r in sorted(rows, key=lambda r: (r.batch, _ORDER.get(r.impl.split(" [")[0], 9), r.impl, list(SAMPLING_MODES).index(r.sampling))):
         impl = r.impl + (" (emulated)" if r.extra.get("emulated") else "")
         lead = [r.model, str(r.batch), impl]
         if sampled:
@@ -423,6 +431,9 @@ def parse_args(argv=None):
                          "default hf,sync,async on CPU (CB sizes its cache slowly there), hf,cb,sync,async on CUDA")
     ap.add_argument("--sampling", default="greedy",
                     help=f"comma list of {', '.join(SAMPLING_MODES)}: our engine's rows for each (HF stays greedy)")
+    ap.add_argument("--sampler", default="",
+                    help="comma list of sampling-kernel implementations (CUDA), one engine each: "
+                         "split (each row across many programs, the default) and rows (one program per row)")
     ap.add_argument("--pp", type=int, default=1,
                     help="pipeline_parallel_size of our engine (one GPU per stage: issue 6's two-GPU run)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU)")
@@ -458,6 +469,9 @@ def parse_args(argv=None):
         ap.error(f"--preset: unknown {sorted(bad)} (choose from {PRESETS})")
     args.batch_list = [int(x) for x in (args.batches or ("1,8,64,256" if cuda else "1,8,64")).split(",") if x.strip()]
     args.sampling_list = [x.strip() for x in args.sampling.split(",") if x.strip()]
+    args.sampler_list = [x.strip() for x in args.sampler.split(",") if x.strip()] or [None]
+    if set(args.sampler_list) - {None, "split", "rows"}:
+        ap.error(f"--sampler: choose from split, rows (got {args.sampler})")
     bad = set(args.sampling_list) - set(SAMPLING_MODES)
     if bad or not args.sampling_list:
         ap.error(f"--sampling: unknown {sorted(bad)} (choose from {', '.join(SAMPLING_MODES)})")
@@ -533,10 +547,11 @@ def main(argv=None) -> int:
                              "skip": 20, "lanes": {}}
         if {"hf", "cb"} & set(args.impl_list):
             rows += bench_hf(spec, args)
-        if "sync" in args.impl_list:
-            rows += bench_engine(spec, "off", args, tl)
-        if "async" in args.impl_list:
-            rows += bench_engine(spec, "on", args, tl)
+        for sampler in args.sampler_list:
+            if "sync" in args.impl_list:
+                rows += bench_engine(spec, "off", args, tl, sampler)
+            if "async" in args.impl_list:
+                rows += bench_engine(spec, "on", args, tl, sampler)
         print(f"  ({spec.name}: {time.time() - t_model:.0f} s)", file=sys.stderr, flush=True)
     meta["elapsed_s"] = round(time.time() - t_start, 1)
 

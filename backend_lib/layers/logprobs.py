@@ -24,6 +24,11 @@ def packed_width(k: int = MAX_LOGPROBS) -> int:
 
 
 def pack_tokens_and_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, k: int = MAX_LOGPROBS) -> torch.Tensor:
+    if raw_logits.device.type == "cuda" and k == MAX_LOGPROBS <= raw_logits.shape[1]:
+        from . import sampling_kernels
+        if sampling_kernels.available() and sampling_kernels.IMPL == "split":
+            from .logprobs_kernels import pack_tokens_and_logprobs_kernel
+            return pack_tokens_and_logprobs_kernel(raw_logits, tokens)
     k = min(k, raw_logits.shape[1])
     lse = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
     top_v, top_i = raw_logits.topk(k, dim=-1)

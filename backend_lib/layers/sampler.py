@@ -144,14 +144,24 @@ def sample(logits: torch.Tensor, st: SamplingTensors, all_greedy: bool, use_mask
     `use_masks` covers every per-row filter: banned ids, min_tokens, top-k, top-p and min_p.
     Modifies `logits` in place when `use_masks` (callers that still need the raw logits,
     for logprobs, pass a copy)."""
+    kernels = _use_kernels(logits)
     if use_masks:
-        apply_masks_(logits, st)
+        if kernels and logits.stride(1) == 1 and _split():
+            from .sampling_split import apply_masks_kernel
+            apply_masks_kernel(logits, st)   # one launch instead of a dozen small torch ops
+        else:
+            apply_masks_(logits, st)
     if all_greedy:
         return logits.argmax(dim=-1)
-    if _use_kernels(logits):
+    if kernels:
         from .sampling_kernels import sample_rows_kernel
         return sample_rows_kernel(logits, st, use_filters=use_masks)
     return sample_reference(logits, st, use_filters=use_masks)
+
+
+def _split() -> bool:
+    from . import sampling_kernels
+    return sampling_kernels.IMPL == "split"
 
 
 def log_min_p(min_p: float) -> float:

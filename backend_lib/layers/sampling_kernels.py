@@ -21,6 +21,7 @@ so scores may differ from torch's in the last bits (near-ties can break differen
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -34,6 +35,9 @@ BLOCK = 1024
 PIVOTS = 16          # thresholds evaluated per search pass (the interval shrinks 15x a pass)
 SCRATCH = 2048       # boundary tokens resolved by sorting in registers
 MAX_ROUNDS = 12      # search passes before giving up on exactness (ties): keep the interval
+# "split": each row across many programs (sampling_split.py); "rows": one program per row.
+# Read when a step's kernels are launched (captured graphs keep the choice they were built with).
+IMPL = os.environ.get("BACKEND_LIB_SAMPLER", "split")
 
 
 def available() -> bool:
@@ -139,106 +143,111 @@ if triton is not None:
 
     @triton.jit
     def _sample_kernel(logits_ptr, stride, V, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr,
-                       out_ptr, scratch_ptr,
-                       USE_FILTERS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+                       out_ptr, scratch_ptr, stage_ptr,
+                       ONLY_STAGE: tl.constexpr, USE_FILTERS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
                        SCRATCH: tl.constexpr, MAX_ROUNDS: tl.constexpr):
         row = tl.program_id(0)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride
-        T = tl.load(temp_ptr + row)
-        ninf = float("-inf")
-        tok = tl.zeros((), dtype=tl.int32)
-        if T > 0:
-            key = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
-            best = tl.full((), ninf, tl.float32)
-            m = tl.full((), ninf, tl.float32)
-            zsum = tl.zeros((), dtype=tl.float32)
-            zmin = tl.full((), float("inf"), tl.float32)
-            for start in range(0, V, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                inb = offs < V
-                x = tl.load(row_ptr + offs, mask=inb, other=ninf)
-                z = tl.math.div_rn(x, T)
-                s = tl.where(inb, z + _gumbel(key, offs), ninf)
-                bs = tl.max(s, axis=0)
-                bi = tl.argmax(s, axis=0) + start
-                tok = tl.where(bs > best, bi, tok)
-                best = tl.maximum(best, bs)
+        # ONLY_STAGE >= 0: only the rows whose stage_ptr entry equals it (sampling_split's fallback).
+        go = True
+        if ONLY_STAGE >= 0:
+            go = tl.load(stage_ptr + row) == ONLY_STAGE
+        if go:
+            row_ptr = logits_ptr + row.to(tl.int64) * stride
+            T = tl.load(temp_ptr + row)
+            ninf = float("-inf")
+            tok = tl.zeros((), dtype=tl.int32)
+            if T > 0:
+                key = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
+                best = tl.full((), ninf, tl.float32)
+                m = tl.full((), ninf, tl.float32)
+                zsum = tl.zeros((), dtype=tl.float32)
+                zmin = tl.full((), float("inf"), tl.float32)
+                for start in range(0, V, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    inb = offs < V
+                    x = tl.load(row_ptr + offs, mask=inb, other=ninf)
+                    z = tl.math.div_rn(x, T)
+                    s = tl.where(inb, z + _gumbel(key, offs), ninf)
+                    bs = tl.max(s, axis=0)
+                    bi = tl.argmax(s, axis=0) + start
+                    tok = tl.where(bs > best, bi, tok)
+                    best = tl.maximum(best, bs)
+                    if USE_FILTERS:
+                        m_new = tl.maximum(m, tl.max(z, axis=0))
+                        alpha = tl.where(m_new > ninf, tl.exp(m - m_new), 1.0)
+                        zsum = zsum * alpha + tl.sum(tl.where(z > ninf, tl.exp(z - m_new), 0.0), axis=0)
+                        m = m_new
+                        zmin = tl.minimum(zmin, tl.min(tl.where(z > ninf, z, float("inf")), axis=0))
                 if USE_FILTERS:
-                    m_new = tl.maximum(m, tl.max(z, axis=0))
-                    alpha = tl.where(m_new > ninf, tl.exp(m - m_new), 1.0)
-                    zsum = zsum * alpha + tl.sum(tl.where(z > ninf, tl.exp(z - m_new), 0.0), axis=0)
-                    m = m_new
-                    zmin = tl.minimum(zmin, tl.min(tl.where(z > ninf, z, float("inf")), axis=0))
-            if USE_FILTERS:
-                k = tl.load(top_k_ptr + row).to(tl.int32)
-                p = tl.load(top_p_ptr + row)
-                mp = tl.load(min_p_ptr + row)
-                k_on = (k > 0) & (k < V)
-                p_on = p < 1.0
-                mp_on = mp > 0.0
-                if k_on | p_on | mp_on:
-                    t_m = tl.where(mp_on, m + tl.log(tl.maximum(mp, 1e-30)), ninf)
-                    z_s = tl.math.div_rn(tl.load(row_ptr + tok), T)
-                    kept = z_s >= t_m
-                    mass_s = zsum
-                    if k_on | p_on:
-                        # Is the unfiltered winner kept? Count and mass strictly above it.
-                        c_gt = tl.zeros((), dtype=tl.int32)
-                        w_gt = tl.zeros((), dtype=tl.float32)
-                        w_all = tl.zeros((), dtype=tl.float32)
-                        for start in range(0, V, BLOCK):
-                            offs = start + tl.arange(0, BLOCK)
-                            x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
-                            z = tl.math.div_rn(x, T)
-                            e = tl.where(z >= t_m, tl.exp(z - m), 0.0)
-                            gt = (z > z_s) & (z >= t_m)
-                            c_gt += tl.sum(gt.to(tl.int32), axis=0)
-                            w_gt += tl.sum(tl.where(gt, e, 0.0), axis=0)
-                            w_all += tl.sum(e, axis=0)
-                        mass_s = w_all
-                        kept = kept & ((k_on == 0) | (c_gt < k))
-                        # top-p after top-k renormalizes over the top-k set: decided by the search.
-                        kept = kept & ((p_on == 0) | ((k_on == 0) & (w_gt < p * w_all)))
-                    if kept == 0:
-                        thr = tl.maximum(t_m, zmin)
-                        if k_on:
-                            thr = _search(row_ptr, V, T, m, thr, m, k.to(tl.float32),
-                                          scratch_ptr + row.to(tl.int64) * SCRATCH,
-                                          True, BLOCK, PIVOTS, SCRATCH, MAX_ROUNDS)
+                    k = tl.load(top_k_ptr + row).to(tl.int32)
+                    p = tl.load(top_p_ptr + row)
+                    mp = tl.load(min_p_ptr + row)
+                    k_on = (k > 0) & (k < V)
+                    p_on = p < 1.0
+                    mp_on = mp > 0.0
+                    if k_on | p_on | mp_on:
+                        t_m = tl.where(mp_on, m + tl.log(tl.maximum(mp, 1e-30)), ninf)
+                        z_s = tl.math.div_rn(tl.load(row_ptr + tok), T)
+                        kept = z_s >= t_m
+                        mass_s = zsum
+                        if k_on | p_on:
+                            # Is the unfiltered winner kept? Count and mass strictly above it.
+                            c_gt = tl.zeros((), dtype=tl.int32)
+                            w_gt = tl.zeros((), dtype=tl.float32)
+                            w_all = tl.zeros((), dtype=tl.float32)
+                            for start in range(0, V, BLOCK):
+                                offs = start + tl.arange(0, BLOCK)
+                                x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                                z = tl.math.div_rn(x, T)
+                                e = tl.where(z >= t_m, tl.exp(z - m), 0.0)
+                                gt = (z > z_s) & (z >= t_m)
+                                c_gt += tl.sum(gt.to(tl.int32), axis=0)
+                                w_gt += tl.sum(tl.where(gt, e, 0.0), axis=0)
+                                w_all += tl.sum(e, axis=0)
+                            mass_s = w_all
+                            kept = kept & ((k_on == 0) | (c_gt < k))
+                            # top-p after top-k renormalizes over the top-k set: decided by the search.
+                            kept = kept & ((p_on == 0) | ((k_on == 0) & (w_gt < p * w_all)))
+                        if kept == 0:
+                            thr = tl.maximum(t_m, zmin)
+                            if k_on:
+                                thr = _search(row_ptr, V, T, m, thr, m, k.to(tl.float32),
+                                              scratch_ptr + row.to(tl.int64) * SCRATCH,
+                                              True, BLOCK, PIVOTS, SCRATCH, MAX_ROUNDS)
+                                if p_on:
+                                    w = tl.zeros((), dtype=tl.float32)
+                                    for start in range(0, V, BLOCK):
+                                        offs = start + tl.arange(0, BLOCK)
+                                        x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                                        z = tl.math.div_rn(x, T)
+                                        w += tl.sum(tl.where(z >= thr, tl.exp(z - m), 0.0), axis=0)
+                                    mass_s = w
                             if p_on:
-                                w = tl.zeros((), dtype=tl.float32)
-                                for start in range(0, V, BLOCK):
-                                    offs = start + tl.arange(0, BLOCK)
-                                    x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
-                                    z = tl.math.div_rn(x, T)
-                                    w += tl.sum(tl.where(z >= thr, tl.exp(z - m), 0.0), axis=0)
-                                mass_s = w
-                        if p_on:
-                            tl.debug_barrier()
-                            thr = _search(row_ptr, V, T, m, thr, m, p * mass_s,
-                                          scratch_ptr + row.to(tl.int64) * SCRATCH,
-                                          False, BLOCK, PIVOTS, SCRATCH, MAX_ROUNDS)
-                        best = tl.full((), ninf, tl.float32)
-                        for start in range(0, V, BLOCK):
-                            offs = start + tl.arange(0, BLOCK)
-                            inb = offs < V
-                            x = tl.load(row_ptr + offs, mask=inb, other=ninf)
-                            z = tl.math.div_rn(x, T)
-                            s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
-                            bs = tl.max(s, axis=0)
-                            bi = tl.argmax(s, axis=0) + start
-                            tok = tl.where(bs > best, bi, tok)
-                            best = tl.maximum(best, bs)
-        else:
-            best = tl.full((), ninf, tl.float32)
-            for start in range(0, V, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
-                bs = tl.max(x, axis=0)
-                bi = tl.argmax(x, axis=0) + start
-                tok = tl.where(bs > best, bi, tok)
-                best = tl.maximum(best, bs)
-        tl.store(out_ptr + row, tok.to(tl.int64))
+                                tl.debug_barrier()
+                                thr = _search(row_ptr, V, T, m, thr, m, p * mass_s,
+                                              scratch_ptr + row.to(tl.int64) * SCRATCH,
+                                              False, BLOCK, PIVOTS, SCRATCH, MAX_ROUNDS)
+                            best = tl.full((), ninf, tl.float32)
+                            for start in range(0, V, BLOCK):
+                                offs = start + tl.arange(0, BLOCK)
+                                inb = offs < V
+                                x = tl.load(row_ptr + offs, mask=inb, other=ninf)
+                                z = tl.math.div_rn(x, T)
+                                s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
+                                bs = tl.max(s, axis=0)
+                                bi = tl.argmax(s, axis=0) + start
+                                tok = tl.where(bs > best, bi, tok)
+                                best = tl.maximum(best, bs)
+            else:
+                best = tl.full((), ninf, tl.float32)
+                for start in range(0, V, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                    bs = tl.max(x, axis=0)
+                    bi = tl.argmax(x, axis=0) + start
+                    tok = tl.where(bs > best, bi, tok)
+                    best = tl.maximum(best, bs)
+            tl.store(out_ptr + row, tok.to(tl.int64))
 
     @triton.jit
     def _penalty_kernel(logits_ptr, stride, V, slot_ptr, counts_ptr, prompt_ptr, table_stride,
@@ -268,17 +277,25 @@ def _zeros(n: int, device: str) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.float32, device=device)
 
 
-def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool) -> torch.Tensor:
-    """The Triton sampler: (masked) logits [S, V] f32 -> ids [S] int64 (sampler.py's function)."""
+def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool, only_stage=None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton sampler: (masked) logits [S, V] f32 -> ids [S] int64 (sampler.py's function).
+    IMPL "split" (the default) runs sampling_split's chunked kernels; "rows" this module's
+    one program per row. only_stage=(stages [S] int32, value): only those rows, into `out`."""
+    if only_stage is None and IMPL == "split":
+        from .sampling_split import sample_rows_split
+        return sample_rows_split(logits, st, use_filters)
     s, v = logits.shape
     logits = logits.contiguous()
-    out = torch.empty(s, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(s, dtype=torch.int64, device=logits.device)
     min_p = st.min_p if st.min_p is not None else _zeros(s, str(logits.device))[:s]
     scratch = torch.empty(s * SCRATCH if use_filters else 1, dtype=torch.float32, device=logits.device)
+    stages, only = only_stage if only_stage is not None else (out, -1)
     _sample_kernel[(s,)](logits, logits.stride(0), v, st.temperature.contiguous(), st.top_k.contiguous(),
                          st.top_p.contiguous(), min_p.contiguous(), st.seed.contiguous(), st.position.contiguous(),
-                         out, scratch,
-                         USE_FILTERS=use_filters, BLOCK=BLOCK, PIVOTS=PIVOTS, SCRATCH=SCRATCH,
+                         out, scratch, stages,
+                         ONLY_STAGE=only, USE_FILTERS=use_filters, BLOCK=BLOCK, PIVOTS=PIVOTS, SCRATCH=SCRATCH,
                          MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
     return out
 

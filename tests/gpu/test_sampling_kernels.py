@@ -156,6 +156,179 @@ def test_penalty_kernel_equals_the_reference():
     assert torch.equal(got[0], logits[0])
 
 
+# ---- the split kernels (sampling_split.py) against the per-row kernels and the definition ----
+
+def _tie_logits(rows, scale):
+    """Rows with many exact ties (values on a coarse grid), -inf entries, and one row where
+    only a handful of tokens are finite."""
+    x = torch.round(_logits(rows, scale) * 2) / 2
+    x[:, 3::7] = float("-inf")
+    x[rows - 1, 5:] = float("-inf")
+    x[0, 10:20] = x[0].max()        # a ten-way tie at the top
+    return x
+
+
+def _threshold_kept(z, top_k, top_p, min_p):
+    """The kernels' kept set: sampler.kept_mask's rules, with a tie at a boundary kept whole
+    (kept = z >= the boundary value; kept_mask's sort keeps an arbitrary part of it)."""
+    vocab = z.shape[1]
+    sz = z.sort(dim=-1, descending=True).values
+    m = sz[:, :1]
+    t_m = torch.where((min_p > 0).unsqueeze(1), m + torch.log(min_p.clamp(min=1e-30)).unsqueeze(1), float("-inf"))
+    k_on = ((top_k > 0) & (top_k < vocab)).unsqueeze(1)
+    n_m = (sz >= t_m).sum(1, keepdim=True)
+    kth = torch.minimum(top_k.clamp(min=1).unsqueeze(1), n_m) - 1
+    floor = torch.maximum(t_m, torch.where(k_on, sz.gather(1, kth), float("-inf")))
+    in_set = sz >= floor
+    e = torch.where(in_set, torch.exp(sz - m), 0.0)
+    before = e.cumsum(-1) - e
+    n_keep = (in_set & (before < top_p.unsqueeze(1) * e.sum(-1, keepdim=True))).sum(1, keepdim=True)
+    thr_p = torch.where((top_p < 1).unsqueeze(1), sz.gather(1, (n_keep - 1).clamp(min=0)), float("-inf"))
+    return z >= torch.maximum(floor, thr_p)
+
+
+def _threshold_reference(logits, st):
+    from backend_lib.layers.sampler import gumbel_noise, row_keys
+    z = logits / torch.where(st.temperature > 0, st.temperature, 1.0).unsqueeze(1)
+    score = (z + gumbel_noise(row_keys(st.seed, st.position), logits.shape[1]))
+    score = score.masked_fill(~_threshold_kept(z, st.top_k, st.top_p, st.min_p), float("-inf"))
+    return torch.where(st.temperature > 0, score.argmax(-1), logits.argmax(-1))
+
+
+@pytest.fixture
+def small_scratch(monkeypatch):
+    """A small boundary buffer so that small vocabularies still take every search path
+    (several rounds, and the per-row fallback when top_k or a tie exceeds it)."""
+    from backend_lib.layers import sampling_split
+    monkeypatch.setattr(sampling_split, "SCRATCH_SPLIT", 64 if _ON_CPU else 256)
+
+
+SPLIT_CASES = [
+    dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0),
+    dict(temperature=0.7, top_k=-1, top_p=1.0, min_p=0.0),
+    dict(temperature=0.7, top_k=-1, top_p=0.9, min_p=0.0),
+    dict(temperature=1.0, top_k=-1, top_p=1e-6, min_p=0.0),     # top_p near 0: the max only
+    dict(temperature=1.0, top_k=-1, top_p=0.9999, min_p=0.0),   # near 1
+    dict(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0),
+    dict(temperature=1.3, top_k=50, top_p=1.0, min_p=0.0),
+    dict(temperature=0.9, top_k=40, top_p=0.8, min_p=0.0),
+    dict(temperature=1.0, top_k=VOCAB - 1, top_p=1.0, min_p=0.0),
+    dict(temperature=1.0, top_k=VOCAB + 5, top_p=0.7, min_p=0.0),  # top_k >= vocab: off
+    dict(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.05),
+    dict(temperature=0.8, top_k=20, top_p=0.95, min_p=0.02),
+    dict(temperature=2.0, top_k=-1, top_p=0.3, min_p=0.1),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+@pytest.mark.parametrize("ties", [False, True])
+def test_split_kernels_equal_the_definition(case, ties, small_scratch):
+    """Token ids equal sample_reference's on every row (ties broken by the lowest index, as
+    torch's argmax), over several seeds and logit scales, vocab not a multiple of a chunk."""
+    from backend_lib.layers import sampling_split
+    from backend_lib.layers.sampler import sample_reference
+    seed = seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    filters = case["top_k"] > 0 or case["top_p"] < 1 or case["min_p"] > 0
+    assert VOCAB % sampling_split.chunk_size(ROWS, VOCAB) != 0
+    for scale, seed0 in ((0.05, 1), (1.0, 2), (4.0, 3)):
+        logits = (_tie_logits if ties else _logits)(ROWS, scale)
+        st = _tensors(ROWS, seed0=seed0 * 1000 + 7, **case)
+        got = sampling_split.sample_rows_split(logits, st, use_filters=filters)
+        want = _threshold_reference(logits, st) if filters else sample_reference(logits, st, use_filters=False)
+        if ties or _ON_CPU:
+            # Exact: ties make scores exactly equal (the lowest index must win), no near-ties.
+            assert torch.equal(got, want), (seed, scale, (got != want).nonzero().flatten().tolist())
+        else:
+            _assert_same_draws(logits, st, filters, got, want)
+
+
+@pytest.mark.skipif(_ON_CPU, reason="the per-row kernel under the interpreter takes minutes")
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_kernels_equal_the_row_kernels_exactly(case):
+    """The same noise and the same rules as sampling_kernels' per-row programs: identical ids
+    on 4 x 64 rows (only float sums are in a different order)."""
+    from backend_lib.layers import sampling_kernels, sampling_split
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    filters = case["top_k"] > 0 or case["top_p"] < 1 or case["min_p"] > 0
+    for rep, scale in enumerate((0.05, 0.5, 1.0, 4.0)):
+        logits = _logits(ROWS, scale)
+        st = _tensors(ROWS, seed0=rep + 100, **case)
+        st.position = torch.arange(ROWS, dtype=torch.int64, device=DEVICE) * 3 + rep
+        got = sampling_split.sample_rows_split(logits, st, use_filters=filters)
+        want = _rows_kernel(logits, st, filters)
+        assert torch.equal(got, want), (scale, (got != want).nonzero().flatten().tolist())
+
+
+def _rows_kernel(logits, st, filters):
+    from backend_lib.layers import sampling_kernels
+    old, sampling_kernels.IMPL = sampling_kernels.IMPL, "rows"
+    try:
+        return sampling_kernels.sample_rows_kernel(logits, st, use_filters=filters)
+    finally:
+        sampling_kernels.IMPL = old
+
+
+def test_split_fallback_rows_equal_the_definition(small_scratch):
+    """Rows the parallel search cannot resolve (top_k above the boundary buffer, a tie wider
+    than it at the top) take the per-row program: still the definition's ids."""
+    from backend_lib.layers import sampling_split
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    rows = 2
+    logits = _logits(rows, 1.0)
+    logits[1, : sampling_split.SCRATCH_SPLIT + 10] = logits[1].max() + 1.0  # the top is one wide tie
+    st = _tensors(rows, 1.0, sampling_split.SCRATCH_SPLIT + 20, 0.9, 0.0, seed0=5)
+    st.top_k[1] = 3
+    got = sampling_split.sample_rows_split(logits, st, use_filters=True)
+    assert torch.equal(got, _threshold_reference(logits, st))
+
+
+def test_mask_kernel_equals_apply_masks():
+    from backend_lib.layers.sampler import apply_masks_
+    from backend_lib.layers.sampling_split import apply_masks_kernel
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    st = _tensors(ROWS, 0.7, -1, 1.0, 0.0, seed0=1)
+    st.banned_ids = torch.full((ROWS, 70), -1, dtype=torch.int64, device=DEVICE)
+    st.min_stop_ids = torch.full((ROWS, 3), -1, dtype=torch.int64, device=DEVICE)
+    for r in range(ROWS):
+        n = r * 9 % 71
+        st.banned_ids[r, :n] = torch.randperm(VOCAB, device=DEVICE)[:n]
+        st.min_stop_ids[r, : r % 4] = torch.tensor([2, VOCAB - 1, 7][: r % 4], device=DEVICE)
+    st.min_tokens_left = torch.arange(ROWS, device=DEVICE) % 3 - 1
+    logits = torch.randn(ROWS, VOCAB, device=DEVICE)
+    want = apply_masks_(logits.clone(), st)
+    assert torch.equal(apply_masks_kernel(logits.clone(), st), want)
+
+
+def _logprobs_reference(raw, tokens, k):
+    """Raw log_softmax; the top-k by value, ties to the lower index (a stable sort)."""
+    lp = torch.log_softmax(raw.double(), dim=-1)
+    order = torch.sort(raw, dim=-1, descending=True, stable=True).indices[:, :k]
+    return lp.gather(1, tokens.unsqueeze(1)).squeeze(1), order, lp.gather(1, order)
+
+
+@pytest.mark.parametrize("rows", [1, 3] if _ON_CPU else [1, 64, 257])
+def test_logprobs_kernel_equals_log_softmax(rows):
+    from backend_lib.layers.logprobs import MAX_LOGPROBS
+    from backend_lib.layers.logprobs_kernels import pack_tokens_and_logprobs_kernel
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    k = MAX_LOGPROBS
+    raw = _logits(rows, 3.0)
+    raw[:, 4::9] = float("-inf")
+    raw[0, 100:103] = raw[0].max() + 0.5           # a three-way tie at the top
+    raw[rows - 1, 30:60] = torch.round(raw[rows - 1, 30:60])  # ties inside the top-k
+    raw[rows - 1, 30:60] += raw[rows - 1].max()
+    tokens = torch.randint(0, VOCAB, (rows,), device=DEVICE)
+    tokens[0] = 4  # a -inf logit was sampled (a filter can't do that, but the math must hold)
+    packed = pack_tokens_and_logprobs_kernel(raw, tokens)
+    want_lp, want_ids, want_top = _logprobs_reference(raw, tokens, k)
+    assert torch.equal(packed[:, 0], tokens)
+    assert torch.equal(packed[:, 1:1 + k], want_ids)
+    vals = packed[:, 1 + k:].contiguous().view(torch.float64)
+    assert torch.isneginf(vals[0, 0])
+    torch.testing.assert_close(vals[1:, 0], want_lp[1:], rtol=0, atol=2e-5)
+    torch.testing.assert_close(vals[:, 1:], want_top, rtol=0, atol=2e-5)
+
+
 @pytest.mark.skipif(_ON_CPU, reason="an engine on CUDA")
 def test_engine_on_cuda_kernels_equal_torch_path_sync_and_async(tiny_llama_path, monkeypatch):
     """Tiny model on CUDA (graphs): penalties, min_p, top-k/top-p and logprobs through the
