@@ -1,11 +1,14 @@
 """logprobs.pack_tokens_and_logprobs as two Triton kernels, each row split across programs.
 
-pass (grid blocks x rows): per block of the raw logits its max, its softmax sum relative to
-    that max and its top-K entries, as int64 keys that order by value, then by the lower index
-    (float bits made monotonic in the high half, V-1-index in the low half): the max key is
-    torch's argmax, and K rounds of "take the max key" are an exact top-K.
-merge (one program per row): logsumexp from the blocks' (max, sum), the top-K of the blocks'
-    candidates, the sampled token's logprob, written as the packed row logprobs.py describes.
+stats (grid blocks x rows): per block of the raw logits its max and its softmax sum relative
+    to that max.
+threshold (per row): logsumexp; the floor = the K-th largest block max (the top K are >= it).
+candidates (grid blocks x rows): blocks whose max reaches the floor give their top entries
+    >= the floor (usually one or two rounds, at most K), as int64 keys that order by value,
+    then by the lower index (float bits made monotonic in the high half, V-1-index in the low
+    half): the max key is torch's argmax, and rounds of "take the max key" are an exact top-K.
+merge (per row): the top K of the candidates, the sampled token's logprob, written as the
+    packed row logprobs.py describes.
 """
 from __future__ import annotations
 
@@ -14,10 +17,10 @@ import torch
 from .logprobs import MAX_LOGPROBS, packed_width
 from .sampling_kernels import triton
 
-INT64_MIN = -(1 << 63)
-
 if triton is not None:
     import triton.language as tl
+
+    INT64_MIN = tl.constexpr(-(1 << 63))
 
     @triton.jit
     def _keys(x, idx, V):
@@ -26,35 +29,67 @@ if triton is not None:
         return (ordered.to(tl.int64) << 32) | (V - 1 - idx).to(tl.int64)
 
     @triton.jit
-    def _lp_pass(logits_ptr, stride, V, part_m, part_s, part_k, NB,
-                 K: tl.constexpr, BLOCK: tl.constexpr):
+    def _lp_stats(logits_ptr, stride, V, part_m, part_s, NB, BLOCK: tl.constexpr):
+        """Per block: max and softmax sum relative to it."""
         b = tl.program_id(0)
         row = tl.program_id(1)
         offs = b * BLOCK + tl.arange(0, BLOCK)
-        inb = offs < V
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=inb, other=float("-inf"))
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
         m = tl.max(x, axis=0)
         m_safe = tl.where(m > float("-inf"), m, 0.0)
-        s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m_safe), 0.0), axis=0)
-        at = row * NB + b
-        tl.store(part_m + at, m)
-        tl.store(part_s + at, s)
-        keys = tl.where(inb, _keys(x, offs, V), INT64_MIN)
-        for r in tl.static_range(K):
-            top = tl.max(keys, axis=0)
-            tl.store(part_k + at * K + r, top)
-            keys = tl.where(keys == top, INT64_MIN, keys)
+        tl.store(part_m + row * NB + b, m)
+        tl.store(part_s + row * NB + b, tl.sum(tl.where(x > float("-inf"), tl.exp(x - m_safe), 0.0), axis=0))
 
     @triton.jit
-    def _lp_merge(logits_ptr, stride, V, tokens_ptr, part_m, part_s, part_k, NB, out_ptr,
-                  K: tl.constexpr, NBMAX: tl.constexpr, NCAND: tl.constexpr):
+    def _lp_threshold(part_m, part_s, NB, row_lse, row_floor, K: tl.constexpr, NBMAX: tl.constexpr):
+        """Per row: logsumexp, and the K-th largest block max: the top K are all >= it (K
+        distinct entries, the blocks' maxima, are), so most blocks hold no candidate."""
         row = tl.program_id(0)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride
         o = tl.arange(0, NBMAX)
         pm = tl.load(part_m + row * NB + o, mask=o < NB, other=float("-inf"))
         ps = tl.load(part_s + row * NB + o, mask=o < NB, other=0.0)
         M = tl.max(pm, axis=0)
-        lse = M + tl.log(tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - M), 0.0), axis=0))
+        tl.store(row_lse + row, M + tl.log(tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - M), 0.0), axis=0)))
+        v = tl.where(o < NB, pm, float("nan"))  # nan: not a block (never the max, never removed)
+        floor = tl.full((), float("-inf"), tl.float32)
+        if NB >= K:
+            for r in tl.static_range(K):
+                top = tl.max(tl.where(v == v, v, float("-inf")), axis=0)
+                first = tl.min(tl.where(v == top, o, NBMAX), axis=0)
+                v = tl.where(o == first, float("nan"), v)
+                floor = top
+        tl.store(row_floor + row, floor)
+
+    @triton.jit
+    def _lp_candidates(logits_ptr, stride, V, part_m, row_floor, part_k, NB,
+                       K: tl.constexpr, BLOCK: tl.constexpr):
+        """Per block: its top entries among those >= the row's floor (at most K), as keys;
+        the other slots get INT64_MIN."""
+        b = tl.program_id(0)
+        row = tl.program_id(1)
+        at = (row * NB + b) * K
+        floor = tl.load(row_floor + row)
+        n = tl.zeros((), dtype=tl.int32)
+        if tl.load(part_m + row * NB + b) >= floor:
+            offs = b * BLOCK + tl.arange(0, BLOCK)
+            inb = offs < V
+            x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=inb, other=float("-inf"))
+            cand = inb & (x >= floor)
+            n = tl.minimum(tl.sum(cand.to(tl.int32), axis=0), K)
+            keys = tl.where(cand, _keys(x, offs, V), INT64_MIN)
+            for r in range(0, n):
+                top = tl.max(keys, axis=0)
+                tl.store(part_k + at + r, top)
+                keys = tl.where(keys == top, INT64_MIN, keys)
+        for r in range(n, K):
+            tl.store(part_k + at + r, INT64_MIN)
+
+    @triton.jit
+    def _lp_merge(logits_ptr, stride, V, tokens_ptr, row_lse, part_k, NB, out_ptr,
+                  K: tl.constexpr, NCAND: tl.constexpr):
+        row = tl.program_id(0)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride
+        lse = tl.load(row_lse + row)
         out = out_ptr + row.to(tl.int64) * (2 + 2 * K)
         tok = tl.load(tokens_ptr + row)
         tl.store(out, tok)
@@ -65,7 +100,7 @@ if triton is not None:
         for r in tl.static_range(K):
             top = tl.max(keys, axis=0)
             keys = tl.where(keys == top, INT64_MIN, keys)
-            idx = (V - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+            idx = (V - 1 - (top & 0x7FFFFFFF)).to(tl.int32)   # the low half is < 2**31
             tl.store(out + 1 + r, idx.to(tl.int64))
             v = tl.load(row_ptr + idx) - lse
             tl.store(out + 2 + K + r, v.to(tl.float64).to(tl.int64, bitcast=True))
@@ -86,10 +121,14 @@ def pack_tokens_and_logprobs_kernel(raw_logits: torch.Tensor, tokens: torch.Tens
     dev = raw_logits.device
     part_m = torch.empty(s * nb, dtype=torch.float32, device=dev)
     part_s = torch.empty(s * nb, dtype=torch.float32, device=dev)
+    row_lse = torch.empty(s, dtype=torch.float32, device=dev)
+    row_floor = torch.empty(s, dtype=torch.float32, device=dev)
     part_k = torch.empty(s * nb * k, dtype=torch.int64, device=dev)
     out = torch.empty(s, packed_width(k), dtype=torch.int64, device=dev)
-    _lp_pass[(nb, s)](raw_logits, raw_logits.stride(0), v, part_m, part_s, part_k, nb,
-                      K=k, BLOCK=block, num_warps=4)
-    _lp_merge[(s,)](raw_logits, raw_logits.stride(0), v, tokens.contiguous(), part_m, part_s, part_k, nb, out,
-                    K=k, NBMAX=_pow2(nb), NCAND=_pow2(nb * k), num_warps=8)
+    stride = raw_logits.stride(0)
+    _lp_stats[(nb, s)](raw_logits, stride, v, part_m, part_s, nb, BLOCK=block, num_warps=4)
+    _lp_threshold[(s,)](part_m, part_s, nb, row_lse, row_floor, K=k, NBMAX=_pow2(nb), num_warps=4)
+    _lp_candidates[(nb, s)](raw_logits, stride, v, part_m, row_floor, part_k, nb, K=k, BLOCK=block, num_warps=4)
+    _lp_merge[(s,)](raw_logits, stride, v, tokens.contiguous(), row_lse, part_k, nb, out,
+                    K=k, NCAND=_pow2(nb * k), num_warps=8)
     return out

@@ -147,7 +147,7 @@ if triton is not None:
         if USE_FILTERS:
             stage = tl.zeros((), dtype=tl.int32)
             T = tl.load(temp_ptr + row)
-            tl.store(state_i + 3 * S + row, 0)  # I_GATHERED
+            tl.store(state_i + I_GATHERED * S + row, 0)
             if T > 0:
                 k, p, mp, k_on, p_on, mp_on = _filters(top_k_ptr, top_p_ptr, min_p_ptr, row, V)
                 if k_on | p_on | mp_on:

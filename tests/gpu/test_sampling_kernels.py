@@ -306,18 +306,22 @@ def _logprobs_reference(raw, tokens, k):
     return lp.gather(1, tokens.unsqueeze(1)).squeeze(1), order, lp.gather(1, order)
 
 
-@pytest.mark.parametrize("rows", [1, 3] if _ON_CPU else [1, 64, 257])
-def test_logprobs_kernel_equals_log_softmax(rows):
+@pytest.mark.parametrize("rows,vocab", [(1, VOCAB), (3, VOCAB), (1, 25000)] if _ON_CPU else
+                         [(1, VOCAB), (64, VOCAB), (257, VOCAB), (8, 1000)])
+def test_logprobs_kernel_equals_log_softmax(rows, vocab):
+    """Ids exact (ties to the lower index), values within float32 rounding of log_softmax;
+    vocabularies with fewer and with more blocks than MAX_LOGPROBS (the block-max floor)."""
     from backend_lib.layers.logprobs import MAX_LOGPROBS
     from backend_lib.layers.logprobs_kernels import pack_tokens_and_logprobs_kernel
     seed_from_env("SAMPLING_KERNELS_TEST_SEED")
     k = MAX_LOGPROBS
-    raw = _logits(rows, 3.0)
+    raw = torch.randn(rows, vocab, device=DEVICE) * 3
+    raw[:, :8] += 12
     raw[:, 4::9] = float("-inf")
     raw[0, 100:103] = raw[0].max() + 0.5           # a three-way tie at the top
     raw[rows - 1, 30:60] = torch.round(raw[rows - 1, 30:60])  # ties inside the top-k
     raw[rows - 1, 30:60] += raw[rows - 1].max()
-    tokens = torch.randint(0, VOCAB, (rows,), device=DEVICE)
+    tokens = torch.randint(0, vocab, (rows,), device=DEVICE)
     tokens[0] = 4  # a -inf logit was sampled (a filter can't do that, but the math must hold)
     packed = pack_tokens_and_logprobs_kernel(raw, tokens)
     want_lp, want_ids, want_top = _logprobs_reference(raw, tokens, k)
