@@ -35,6 +35,19 @@ def skinny_gemm() -> str:
     raise ValueError(f"{SKINNY_GEMM_ENV}={v!r}: must be off, on or force")
 
 
+# Sampling kernels on CUDA (backend_lib/layers/sampling_kernels.py): split (each row across many
+# programs, sampling_split.py; the default) or rows (one program per row; also the torch
+# logprobs): the older kernels, kept to compare.
+SAMPLER_ENV = "BACKEND_LIB_SAMPLER"
+
+
+def sampler_impl() -> str:
+    v = os.environ.get(SAMPLER_ENV, "split").strip().lower() or "split"
+    if v not in ("split", "rows"):
+        raise ValueError(f"{SAMPLER_ENV}={v!r}: must be split or rows")
+    return v
+
+
 def force_sync() -> bool:
     return os.environ.get(FORCE_SYNC_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 

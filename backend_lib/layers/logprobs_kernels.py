@@ -15,11 +15,9 @@ from __future__ import annotations
 import torch
 
 from .logprobs import MAX_LOGPROBS, packed_width
-from .sampling_kernels import triton
+from .triton_support import tl, triton
 
 if triton is not None:
-    import triton.language as tl
-
     INT64_MIN = tl.constexpr(-(1 << 63))
 
     @triton.jit

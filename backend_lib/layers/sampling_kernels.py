@@ -2,7 +2,8 @@
 definitions in sampler.py / penalties.py, without sorting the vocabulary and without
 [rows x vocab] temporaries.
 
-One program per row, so each row pays only for its own filters:
+One program per row (IMPL "rows"; the default "split" runs sampling_split.py's kernels, the
+same function with each row across many programs), so each row pays only for its own filters:
 
 - greedy row: one pass (argmax).
 - temperature row: one pass (argmax of z + gumbel, the noise hashed in registers).
@@ -21,15 +22,12 @@ so scores may differ from torch's in the last bits (near-ties can break differen
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-try:  # CUDA builds of torch ship Triton; the CPU build does not (the torch path runs there)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from .. import envs
+
+from .triton_support import tl, triton  # None without Triton: the torch path runs there
 
 BLOCK = 1024
 PIVOTS = 16          # thresholds evaluated per search pass (the interval shrinks 15x a pass)
@@ -37,7 +35,7 @@ SCRATCH = 2048       # boundary tokens resolved by sorting in registers
 MAX_ROUNDS = 12      # search passes before giving up on exactness (ties): keep the interval
 # "split": each row across many programs (sampling_split.py); "rows": one program per row.
 # Read when a step's kernels are launched (captured graphs keep the choice they were built with).
-IMPL = os.environ.get("BACKEND_LIB_SAMPLER", "split")
+IMPL = envs.sampler_impl()
 
 
 def available() -> bool:

@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from . import sampling_kernels as rows_impl
-from .sampling_kernels import MAX_ROUNDS, PIVOTS, SCRATCH, triton
+from .sampling_kernels import PIVOTS, SCRATCH
+from .triton_support import tl, triton
 
 ROUNDS = 3           # parallel search rounds before the per-row fallback
 SCRATCH_SPLIT = SCRATCH  # boundary tokens sorted per row (tests lower it to reach every path)
@@ -39,8 +40,6 @@ MIN_CHUNK, MAX_CHUNK = 1024, 8192
 TARGET_PROGRAMS = 2048  # chunks x rows per pass: enough to fill every SM at batch 1
 
 if triton is not None:
-    import triton.language as tl
-
     from .sampling_kernels import _gumbel, _row_key
 
     # Row stages (state_i[STAGE]).
