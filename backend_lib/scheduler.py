@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from .kv_cache import ROOT_HASH, BlockPool, SlotPool, block_hash
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 
 
-@dataclass
-class ScheduledRow:
+class ScheduledRow(NamedTuple):
+    """One request's part of a step (immutable; the hot path builds it with tuple.__new__)."""
     request: Request
     start_pos: int              # num_computed_tokens before this step
     num_new_tokens: int
@@ -43,6 +43,7 @@ class ScheduledRow:
 
 
 _RELAY_IDS = (0,)  # host ids of a row whose one input token comes from the relay (shared, immutable)
+_new_row = tuple.__new__  # ScheduledRow without its Python-level __new__ (the steady decode hot path)
 
 
 @dataclass
@@ -177,7 +178,7 @@ class Scheduler:
                 # row is what add_row would record: one relay token, sampled, past the prompt).
                 req.num_computed_tokens = computed + 1
                 req.num_output_placeholders = ph + 1
-                rows.append(ScheduledRow(req, computed, 1, True, _RELAY_IDS, True))
+                rows.append(_new_row(ScheduledRow, (req, computed, 1, True, _RELAY_IDS, True)))
                 slots.append(req.slot)
                 num_fast += 1
                 budget -= 1
