@@ -240,11 +240,26 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference):
     aeng = AsyncEngine(EngineConfig(model_path=path, **KW), merge_queued_outputs=True)
     calls: dict[str, list] = {}
     lock = threading.Lock()
+    # Callbacks run one after another, so a request hears from it every (active requests x
+    # callback) seconds: half a step each makes that several steps (merged tokens) yet shorter
+    # than a long request (tokens keep coming), however loaded the machine is.
+    step_s = [0.002]
+    step = aeng.engine.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            step_s.append(time.perf_counter() - t0)
+
+    aeng.engine.step = timed_step
 
     def cb(out):
         with lock:
             calls.setdefault(out.request_id, []).append(out)
-        time.sleep(0.004)  # the sender's per-response cost, larger than a step here
+        recent = sorted(step_s[-16:])
+        time.sleep(max(0.001, 0.5 * recent[len(recent) // 2]))
 
     try:
         for i, (p, sp) in enumerate(zip(prompts, params)):
