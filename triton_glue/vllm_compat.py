@@ -30,6 +30,8 @@ _NEUTRAL: dict[str, Any] = {
     "best_of": 1, "prompt_logprobs": None,
     "detokenize": True, "spaces_between_special_tokens": True, "lora_name": None,
 }
+# every key sampling_parameters may hold
+SAMPLING_KEYS = frozenset(_SUPPORTED) | frozenset(_NEUTRAL)
 MAX_N = 16         # backend_lib.request.MAX_N
 MAX_LOGPROBS = 20  # backend_lib.layers.logprobs.MAX_LOGPROBS
 

@@ -20,7 +20,7 @@ from triton_glue.config import parameters_of  # noqa: E402
 from triton_glue.inputs import client_parameters, reject_unknown_parameters, request_parameters  # noqa: E402
 from triton_glue.logprob_tensors import vllm_logprobs_json  # noqa: E402
 from triton_glue.sequences import SequenceJoiner, fan_out  # noqa: E402
-from triton_glue.vllm_compat import parse_vllm_request  # noqa: E402
+from triton_glue.vllm_compat import SAMPLING_KEYS, parse_vllm_request  # noqa: E402
 from triton_glue.vllm_metrics import VllmRouteHooks, report_custom_metrics  # noqa: E402
 
 
@@ -63,7 +63,10 @@ class _Responses:
 def _parse(arrays, request):
     params = client_parameters(request_parameters(request.parameters()))
     if "sampling_parameters" in arrays:
-        reject_unknown_parameters(params)  # the knobs come in the sampling_parameters input
+        # the knobs come in the sampling_parameters input; request parameters that are
+        # sampling keys too are ignored, as vllm_backend does (its own tests send both), others
+        # are misspelt knobs
+        reject_unknown_parameters(params, accepted=SAMPLING_KEYS)
     return parse_vllm_request(arrays, json.dumps(params) if params else None)
 
 
