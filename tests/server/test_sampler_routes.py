@@ -11,7 +11,7 @@ import pytest
 from backend_lib import SamplingParams
 
 from .hf_reference import hf, hf_logprobs, hf_ranks, hf_top  # noqa: F401 - hf: a fixture
-from .util import StreamClient, grpc_stream_one
+from .util import grpc_stream_one, wait_for
 
 PROMPT = "The capital of France is"
 N = 12
@@ -162,6 +162,8 @@ def test_vllm_n_sequences_as_vllm_backend_returns_them(server, tokenizer, refere
     assert len(set(ref)) == 4
     body = vllm(PROMPT, stream, ("return_finish_reason", "return_num_output_tokens"), n="4", seed="5",
                 temperature="1", max_tokens=str(N), ignore_eos="true")
+    labels = {"model": "vllm_model", "version": "1"}
+    n_count, n_sum = (server.metric(f"vllm:request_params_n_{s}", **labels) for s in ("count", "sum"))
     for _ in range(2):
         c = grpc_stream_one(server.grpc_url, "vllm_model", body, batched=False)
         assert not c.errors and c.finals == 1
@@ -175,6 +177,10 @@ def test_vllm_n_sequences_as_vllm_backend_returns_them(server, tokenizer, refere
         assert sum(int(r.as_numpy("num_output_tokens").sum()) for r in c.responses) == 4 * N
     if not stream:
         assert len(c.responses) == 1
+    # vllm_backend's vllm:request_params_n: one observation of n per request (counted when the
+    # route's workers end, just after the FINAL)
+    assert wait_for(lambda: server.metric("vllm:request_params_n_count", **labels) - n_count == 2, 10)
+    assert server.metric("vllm:request_params_n_sum", **labels) - n_sum == 8
 
 
 # ---- bad values: the field and the range, one FINAL, the server still serves -----------------
@@ -202,3 +208,29 @@ def test_bad_sampler_values_name_the_field_and_range(server, prompt_ids, model, 
     ok = grpc_stream_one(server.grpc_url, "llm", {"input_ids": np.array([prompt_ids], np.int32),
                                                   "request_output_len": one(2, np.int32)})
     assert not ok.errors and ok.finals == 1
+
+
+def test_tensorrt_llm_non_decoupled_sequences_in_one_response(server, reference_engine, prompt_ids):
+    """tensorrt_llm (decoupled_mode false): the n sequences in one response, in sequence_index
+    order, stacked on the batch axis as a batch's rows are."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    ref = engine_run(reference_engine, prompt_ids, temperature=1.0, seed=9, n=2, logprobs=0)
+    body = {"input_ids": np.array([prompt_ids], np.int32), "request_output_len": one(N, np.int32),
+            "ignore_eos": one(True, bool), "exclude_input_in_output": one(True, bool),
+            "num_return_sequences": one(2, np.int32), "return_log_probs": one(True, bool),
+            "runtime_top_k": one(-1, np.int32), "runtime_top_p": one(1.0, np.float32),
+            "temperature": one(1.0, np.float32), "seed": one(9, np.uint64)}
+    inputs = []
+    for k, v in body.items():
+        t = grpcclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype))
+        t.set_data_from_numpy(v)
+        inputs.append(t)
+    r = grpcclient.InferenceServerClient(server.grpc_url).infer("tensorrt_llm", inputs)
+    assert r.as_numpy("output_ids")[:, 0, :].tolist() == [list(o.token_ids) for o in ref]
+    assert r.as_numpy("sequence_index").reshape(-1).tolist() == [0, 1]
+    lps = r.as_numpy("output_log_probs")
+    assert lps.shape == (2, 1, N)
+    assert np.allclose(lps[:, 0, :], [[next(iter(d.values())) for d in o.logprobs] for o in ref], atol=TOL)
+    assert np.allclose(r.as_numpy("cum_log_probs").reshape(-1), [o.cumulative_logprob for o in ref], atol=1e-3)
