@@ -113,7 +113,7 @@ def test_mixed_rows_each_take_their_own_path():
         assert sampling_kernels.sample_rows_kernel(logits[r:r + 1], one, use_filters=True).item() == got[r].item()
 
 
-def test_kernel_samples_the_filtered_softmax():
+def test_kernel_samples_the_filtered_softmax(small_scratch):
     """Many seeds on one small row: frequencies match softmax(z) on HF's kept set (4.5 sigma)."""
     from backend_lib.layers import sampling_kernels
     n = 4000 if not _ON_CPU else 200  # the interpreter runs every program of every pass in turn
