@@ -1,4 +1,4 @@
-"""logprobs.pack_tokens_and_logprobs as two Triton kernels, each row split across programs.
+"""logprobs.pack_tokens_and_logprobs as four Triton kernels, each row split across programs.
 
 stats (grid blocks x rows): per block of the raw logits its max and its softmax sum relative
     to that max.
