@@ -2,7 +2,7 @@
 definitions in sampler.py / penalties.py, without sorting the vocabulary and without
 [rows x vocab] temporaries.
 
-One program per row (IMPL "rows"; the default "split" runs sampling_split.py's kernels, the
+One program per row (IMPL "rows", the default; "split" runs sampling_split.py's kernels, the
 same function with each row across many programs), so each row pays only for its own filters:
 
 - greedy row: one pass (argmax).
@@ -278,7 +278,7 @@ def _zeros(n: int, device: str) -> torch.Tensor:
 def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool, only_stage=None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton sampler: (masked) logits [S, V] f32 -> ids [S] int64 (sampler.py's function).
-    IMPL "split" (the default) runs sampling_split's chunked kernels; "rows" this module's
+    IMPL "split" runs sampling_split's chunked kernels; "rows" (the default) this module's
     one program per row. only_stage=(stages [S] int32, value): only those rows, into `out`."""
     if only_stage is None and IMPL == "split":
         from .sampling_split import sample_rows_split
