@@ -36,6 +36,11 @@ NAMES = {
     # vLLM v1's names of the same two counters (tokens), for dashboards written for vLLM.
     "vllm_pc_queried": "vllm:prefix_cache_queries",
     "vllm_pc_hit": "vllm:prefix_cache_hits",
+    # ... and of the KV usage (vllm_backend / vLLM v0: gpu_cache_usage_perc; v1: kv_cache_usage_perc)
+    # and the preemptions: the engine's, so on `llm` (the routes share its cache)
+    "vllm_kv_usage_v0": "vllm:gpu_cache_usage_perc",
+    "vllm_kv_usage": "vllm:kv_cache_usage_perc",
+    "vllm_preempt": "vllm:num_preemptions_total",
     "idle": "llm_gpu_idle_gap_seconds",
 }
 
@@ -105,10 +110,14 @@ class EngineMetrics:
                                                                  "cached tokens."))
         self.kv_cached = metric(fam("kv_cached", MF.GAUGE, "KV-cache blocks holding reusable prefix KV "
                                                            "(held or evictable)"))
+        self.vllm_kv_usage_v0 = metric(fam("vllm_kv_usage_v0", MF.GAUGE, "GPU KV-cache usage. 1 means 100 percent usage."))
+        self.vllm_kv_usage = metric(fam("vllm_kv_usage", MF.GAUGE, "KV-cache usage. 1 means 100 percent usage."))
+        self.vllm_preempt = metric(fam("vllm_preempt", MF.COUNTER, "Cumulative number of preemption from the engine."))
         self.idle_gap = metric(fam("idle", MF.HISTOGRAM, "GPU idle gap between consecutive decode steps (s)"),
                                buckets=IDLE_GAP_BUCKETS)
         self._last = {"async": 0, "sync": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0}
-        self._vllm_alias = {"pc_queried": self.vllm_pc_queried, "pc_hit": self.vllm_pc_hit}
+        self._vllm_alias = {"pc_queried": self.vllm_pc_queried, "pc_hit": self.vllm_pc_hit,
+                            "preempt": self.vllm_preempt}
 
     def request_finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
         self.prompt_tokens.increment(num_prompt)
@@ -124,6 +133,10 @@ class EngineMetrics:
         self.kv_used.set(st.kv_blocks_used)
         self.kv_total.set(st.kv_blocks_total)
         self.kv_cached.set(getattr(st, "kv_blocks_cached", 0))
+        # vLLM counts the blocks requests hold (cached blocks nobody holds are free to evict)
+        usage = st.kv_blocks_used / st.kv_blocks_total if st.kv_blocks_total else 0.0
+        self.vllm_kv_usage_v0.set(usage)
+        self.vllm_kv_usage.set(usage)
         self.healthy.set(1 if healthy else 0)
         for key, total, m in (("async", st.async_steps_total, self.async_steps),
                               ("sync", st.sync_steps_total, self.sync_steps),

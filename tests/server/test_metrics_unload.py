@@ -80,6 +80,39 @@ def test_prefix_cache_metrics(server):
     assert server.metric("llm_kv_blocks_cached") >= 2
 
 
+def _scrape(server, names: list[str]) -> dict[str, float]:
+    """The samples of `names` (llm's labels) from ONE scrape: gauges set from one stats export."""
+    out = {}
+    for line in server.metrics_text().splitlines():
+        for n in names:
+            if line.startswith(n + "{") and 'model="llm"' in line:
+                out[n] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_vllm_kv_cache_usage_follows_the_engine(server):
+    """vllm_backend's KV-usage gauge (and vLLM v1's name) = blocks held / blocks in the pool,
+    non-zero while a request runs and 0 when idle; preemptions under vLLM's name too."""
+    names = ["vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc", "llm_kv_blocks_used",
+             "llm_kv_blocks_total", "vllm:num_preemptions_total", "llm_preemptions_total"]
+    assert wait_for(server.idle, 15)
+    sc = StreamClient(server.grpc_url)
+    try:
+        c = sc.send("llm", {"input_ids": np.array([[5, 6, 7, 8]], dtype=np.int32), "max_tokens": 1500,
+                            "ignore_eos": True, "temperature": 0.0, "stream": True}, "kvu")
+        seen = []
+        assert wait_for(lambda: seen.append(_scrape(server, names)) or seen[-1].get("llm_kv_blocks_used", 0) > 0, 20)
+        m = seen[-1]
+        assert m["vllm:gpu_cache_usage_perc"] == m["vllm:kv_cache_usage_perc"]
+        assert m["vllm:kv_cache_usage_perc"] == pytest.approx(m["llm_kv_blocks_used"] / m["llm_kv_blocks_total"])
+        assert 0 < m["vllm:kv_cache_usage_perc"] < 1
+        assert m["vllm:num_preemptions_total"] == m["llm_preemptions_total"]
+    finally:
+        sc.close(cancel=True)
+    assert wait_for(server.idle, 30)
+    assert wait_for(lambda: _scrape(server, names)["vllm:kv_cache_usage_perc"] == 0, 5)
+
+
 def test_restricted_apis_need_the_key(server):
     status, text = http_post(server.http_url, "/v2/repository/index", {})
     assert status != 200 and "triton-access-key" in text
