@@ -11,6 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine_helpers import make_engine  # noqa: E402
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread_torch():
@@ -18,3 +20,14 @@ def _single_thread_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_llama_path):
+    return str(tiny_llama_path)
+
+
+@pytest.fixture(scope="module")
+def eng(path):
+    """An engine on the tiny llama with a 64-token budget (a module may define its own)."""
+    return make_engine(path, max_num_batched_tokens=64)

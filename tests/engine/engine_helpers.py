@@ -225,3 +225,23 @@ def expected_from_reference(ref: Sequence[int], params: SamplingParams, eos_ids=
             return out, "stop"
     assert len(out) == params.max_tokens, "reference too short"
     return out, "length"
+
+
+def preempt_when_scheduling_output(eng, request_id: str, n_outputs: int) -> list:
+    """Make the scheduler preempt `request_id` once, when its n-th output (placeholders
+    included) is about to be scheduled. Returns a list that gets (outputs, placeholders) of
+    the request at that moment appended (empty: it never happened)."""
+    sched = eng.scheduler
+    orig_schedule = sched.schedule
+    forced = []
+
+    def schedule():
+        r = sched.requests.get(request_id)
+        if not forced and r is not None and r in sched.running \
+                and len(r.output_token_ids) + r.num_output_placeholders == n_outputs:
+            sched._preempt(r)
+            forced.append((len(r.output_token_ids), r.num_output_placeholders))
+        return orig_schedule()
+
+    sched.schedule = schedule
+    return forced

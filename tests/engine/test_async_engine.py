@@ -13,11 +13,6 @@ KW = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=120, m
           max_num_seqs=16)
 
 
-@pytest.fixture(scope="module")
-def path(tiny_llama_path):
-    return str(tiny_llama_path)
-
-
 def _workload(n=40, seed=3):
     rng = random.Random(seed)
     prompts, params = [], []

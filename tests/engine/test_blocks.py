@@ -7,11 +7,6 @@ import pytest
 from engine_helpers import Spec, greedy, make_engine, random_prompt, run_specs
 
 
-@pytest.fixture(scope="module")
-def path(tiny_llama_path):
-    return str(tiny_llama_path)
-
-
 def check_block_invariants(eng, _step=None):
     """Every block is held (reference count == number of live requests holding it), free, or
     cached and evictable, exactly once; the pool counts as used exactly the distinct held

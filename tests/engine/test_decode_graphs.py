@@ -16,7 +16,8 @@ import torch
 from backend_lib import SamplingParams
 from backend_lib.decode_graphs import DecodeGraphs, graph_variant
 from backend_lib.scheduler import ScheduledRow
-from engine_helpers import Spec, expected_from_reference, hf_greedy, make_engine, random_prompt, run_specs
+from engine_helpers import (Spec, expected_from_reference, hf_greedy, make_engine, preempt_when_scheduling_output,
+                            random_prompt, run_specs)
 from test_blocks import check_block_invariants
 
 
@@ -119,19 +120,7 @@ def _run_forced_preemption(path, mode, prompt_a, prompt_b, max_a, max_b):
     chunk, then a 1-token final chunk in a decode-only step next to B's decode."""
     eng = _graph_engine(path, mode, max_num_batched_tokens=8, max_num_seqs=4)
     log = _LaunchLog(eng)
-    sched = eng.scheduler
-    orig_schedule = sched.schedule
-    forced = []
-
-    def schedule():
-        a = sched.requests.get("a")
-        if not forced and a is not None and a in sched.running \
-                and len(a.output_token_ids) + a.num_output_placeholders == 3:
-            sched._preempt(a)
-            forced.append((len(a.output_token_ids), a.num_output_placeholders))
-        return orig_schedule()
-
-    sched.schedule = schedule
+    forced = preempt_when_scheduling_output(eng, "a", 3)
     eng.add_request("b", prompt_b, SamplingParams(max_tokens=max_b, temperature=0.0, ignore_eos=True))
     eng.add_request("a", prompt_a, SamplingParams(max_tokens=max_a, temperature=0.0, ignore_eos=True))
     out = {"a": [], "b": []}

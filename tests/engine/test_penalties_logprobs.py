@@ -23,16 +23,6 @@ from engine_helpers import EOS, Spec, hf_logits, hf_model, make_engine, random_p
 from test_blocks import check_block_invariants
 
 
-@pytest.fixture(scope="module")
-def path(tiny_llama_path):
-    return str(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
-def eng(path):
-    return make_engine(path, max_num_batched_tokens=64)
-
-
 class PresenceFrequency(LogitsProcessor):
     """OpenAI's formula over the generated tokens: logit -= frequency * count + presence * (count > 0)."""
 

@@ -18,11 +18,6 @@ from engine_helpers import EOS, Spec, greedy, hf_greedy, make_engine, random_pro
 from test_blocks import check_block_invariants
 
 
-@pytest.fixture(scope="module")
-def path(tiny_llama_path):
-    return str(tiny_llama_path)
-
-
 def _all_free_or_cached(eng):
     """After every request ended: nothing held, every block free or cached-evictable."""
     pool = eng.scheduler.blocks

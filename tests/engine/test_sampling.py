@@ -7,16 +7,6 @@ from backend_lib import SamplingParams
 from engine_helpers import EOS, greedy, make_engine, random_prompt
 
 
-@pytest.fixture(scope="module")
-def path(tiny_llama_path):
-    return str(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
-def eng(path):
-    return make_engine(path, max_num_batched_tokens=64)
-
-
 def _prompts(n, seed=0, lo=1, hi=60):
     rng = random.Random(seed)
     return [random_prompt(rng, rng.randint(lo, hi)) for _ in range(n)]

@@ -12,11 +12,6 @@ MAX_LEN = 256
 
 
 @pytest.fixture(scope="module")
-def path(tiny_llama_path):
-    return str(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
 def eng(path):
     return make_engine(path, max_model_len=MAX_LEN, async_token_handoff="on", max_num_batched_tokens=32)
 

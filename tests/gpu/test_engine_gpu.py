@@ -4,11 +4,16 @@ Greedy outputs are compared with HF transformers on the same weights, and the as
 with the sync path (token-identical: same kernels, same graphs) over a churn workload.
 """
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from backend_lib import EngineConfig, LLMEngine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_helpers import preempt_when_scheduling_output  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -144,19 +149,7 @@ def test_gpu_recomputed_one_token_final_chunk(tiny_llama_path):
     outs = {}
     for mode in ("off", "on"):
         eng = _engine(tiny_llama_path, async_token_handoff=mode, max_num_batched_tokens=8, max_num_seqs=4)
-        sched = eng.scheduler
-        orig = sched.schedule
-        forced = []
-
-        def schedule():
-            a = sched.requests.get("a")
-            if not forced and a is not None and a in sched.running \
-                    and len(a.output_token_ids) + a.num_output_placeholders == 3:
-                sched._preempt(a)
-                forced.append(True)
-            return orig()
-
-        sched.schedule = schedule
+        forced = preempt_when_scheduling_output(eng, "a", 3)
         eng.add_request("b", prompts["b"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
         eng.add_request("a", prompts["a"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         res = {"a": [], "b": []}

@@ -98,3 +98,11 @@ def reference_factory(ref_engine):
             cache[seed] = drive(ref_engine, events)
         return cache[seed]
     return get
+
+
+def assert_matches_reference(engine: LLMEngine, reference, budgets_and_seeds) -> None:
+    """For each (token budget, workload seed): the engine's outputs equal the reference's."""
+    for budget, seed in budgets_and_seeds:
+        engine.scheduler.token_budget = budget
+        events, _ = make_workload(seed, engine.vocab_size)
+        assert_same(reference(seed), drive(engine, events))

@@ -11,17 +11,14 @@ import pytest
 import torch.distributed as dist
 
 from backend_lib import AsyncEngine, FinishReason, LLMEngine, SamplingParams, envs
-from pp_workload import MAX_LEN, _cfg, assert_same, drive, make_workload
+from pp_workload import MAX_LEN, _cfg, assert_matches_reference, assert_same, drive, make_workload
 
 
 def test_pp2_sync_matches_pp1(tiny_llama_path, reference):
     eng = LLMEngine(_cfg(tiny_llama_path, pp=2, async_mode="off"))
     try:
         assert not eng.async_enabled and eng._max_inflight == 0
-        for budget, seed in ((4, 12), (16, 14)):
-            eng.scheduler.token_budget = budget
-            events, _ = make_workload(seed, eng.vocab_size)
-            assert_same(reference(seed), drive(eng, events))
+        assert_matches_reference(eng, reference, ((4, 12), (16, 14)))
     finally:
         eng.close()
     assert not dist.is_initialized()
