@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import anyio
 from fastapi import FastAPI, Request
@@ -166,11 +166,8 @@ class Frontend:
                                           "logprobs": lp(piece.logprobs, offset), "finish_reason": fr}],
                                         None, include_usage))
 
-            for line in lines(*first):
+            async for line in _piece_lines(first, it, lines):
                 yield line
-            async for choice, piece in it:
-                for line in lines(choice, piece):
-                    yield line
             if include_usage:
                 yield _sse(envelope([], usage.as_dict()))
 
@@ -226,11 +223,8 @@ class Frontend:
                 if piece.finish_reason is not None:
                     yield chunk(choice.index, {}, finish_reason(piece.finish_reason))
 
-            for line in lines(*first):
+            async for line in _piece_lines(first, it, lines):
                 yield line
-            async for choice, piece in it:
-                for line in lines(choice, piece):
-                    yield line
             if include_usage:
                 yield _sse(envelope("chat.completion.chunk", [], usage.as_dict()))
 
@@ -242,6 +236,15 @@ class Frontend:
 
     def models(self) -> dict:
         return {"object": "list", "data": [self.model_card(n) for n in self.config.served_model_names]}
+
+
+async def _piece_lines(first: tuple, it: AsyncIterator, lines: Callable) -> AsyncIterator[str]:
+    """The SSE lines `lines(choice, piece)` makes of the first (choice, piece) and of the rest."""
+    for line in lines(*first):
+        yield line
+    async for choice, piece in it:
+        for line in lines(choice, piece):
+            yield line
 
 
 def create_app(config: FrontendConfig, tokenizer: Any, route: Optional[TritonRoute] = None) -> FastAPI:
