@@ -71,6 +71,9 @@ class StubInfo:
     pid: int
     model: str
     shm_region: str
+    # serves a model instance (argv[8] is the instance name, e.g. llm_0_0); the other stubs
+    # only auto-complete a config during loading (argv[8] is the model name) and then exit
+    instance: bool = False
 
 
 def _argv(pid: int) -> list[str]:
@@ -106,10 +109,11 @@ def processes_of(pgid: int, also_children_of: Optional[int] = None) -> list[int]
 
 def stub_info(pid: int) -> Optional[StubInfo]:
     argv = _argv(pid)
-    if len(argv) < 3 or os.path.basename(argv[0]) != STUB_NAME:
-        return None
+    if len(argv) < 9 or os.path.basename(argv[0]) != STUB_NAME:
+        return None  # not a stub, or its argv not readable in full yet
     parts = Path(argv[1]).parts  # <repository>/<model>/<version>/model.py
-    return StubInfo(pid, parts[-3] if len(parts) >= 3 else "?", argv[2])
+    model = parts[-3] if len(parts) >= 3 else "?"
+    return StubInfo(pid, model, argv[2], instance=argv[8] != model)
 
 
 def log(msg: str) -> None:
@@ -209,8 +213,9 @@ class Supervisor:
     # ---- stubs --------------------------------------------------------------------------
     def _watch_stubs(self, state: str) -> None:
         """Remember every stub (for its /dev/shm region). The stubs alive when the server first
-        reports ready serve its model instances (auto-complete stubs are gone by then): one of
-        them gone while the server still reports ready has died, and stops the server."""
+        reports ready, and those seen earlier, serve its model instances (by their argv; the
+        auto-complete stubs exit during loading): one of them gone while the server reports
+        ready has died, and stops the server."""
         if self.child is None:
             return
         live = set()
@@ -224,8 +229,8 @@ class Supervisor:
         if state != "ready" or self._stop_reason is not None or self.child.poll() is not None:
             return
         if self._serving is None:
-            self._serving = live
-            return
+            # every instance stub seen so far, also one that died before this first "ready"
+            self._serving = {pid for pid, info in self.stubs.items() if info.instance}
         gone = sorted(self._serving - live)
         if gone and self._stub_died is None and self.server_state() == "ready":
             info = self.stubs[gone[0]]

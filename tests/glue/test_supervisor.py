@@ -112,3 +112,37 @@ def test_a_crashed_server_leaves_no_stub_and_no_shm_region(tmp_path):
         for pid in _stub_pids(stub):
             os.kill(pid, signal.SIGKILL)
         shm.unlink(missing_ok=True)
+
+
+def test_an_instance_stub_dead_before_the_first_ready_poll_is_a_death(monkeypatch):
+    """The llm stub killed between the server's start and the supervisor's first "ready" poll
+    (a client can be that fast) still counts as a stub death; auto-complete stubs, which exit
+    during loading, do not."""
+    from triton_glue import supervisor as sv
+
+    table = {11: sv.StubInfo(11, "llm", "r11", instance=False),      # auto-complete, exited
+             12: sv.StubInfo(12, "llm", "r12", instance=True),       # instance, killed
+             13: sv.StubInfo(13, "vllm_model", "r13", instance=True)}
+    alive = {11, 12, 13}
+    monkeypatch.setattr(sv, "processes_of", lambda pgid, also_children_of=None: sorted(alive))
+    monkeypatch.setattr(sv, "stub_info", lambda pid: table.get(pid))
+
+    class Child:
+        pid = 1
+
+        def poll(self):
+            return None
+
+        def send_signal(self, sig):
+            pass
+
+    deaths = []
+    s = sv.Supervisor(argv=[], env={}, exit_timeout_s=1, on_stub_death=deaths.append,
+                      server_state=lambda: "ready")
+    s.child = Child()
+    s._watch_stubs("loading")       # all three seen while the models load
+    alive -= {11, 12}               # auto-complete stub exits; llm's instance stub is killed
+    s._watch_stubs("ready")         # the first poll that sees the server ready
+    assert s._stub_died is not None and s._stub_died.pid == 12 and s._stub_died.model == "llm"
+    assert len(deaths) == 1 and "'llm' (pid 12) died" in deaths[0]
+    assert s._stop_reason == "stub of 'llm' died"
