@@ -15,8 +15,8 @@ class BatchSender:
         self._remaining = rows
         self._lock = threading.Lock()
 
-    def row(self) -> "_RowSender":
-        return _RowSender(self)
+    def row(self) -> "PartSender":
+        return PartSender(self)
 
     def _send(self, response: Any, flags: int) -> None:
         with self._lock:
@@ -38,14 +38,15 @@ class BatchSender:
             return self._remaining > 0 and self._sender.is_cancelled()
 
 
-class _RowSender:
-    """What one row's driver sees as its response sender."""
+class PartSender:
+    """What the driver of one part of a request (a batch row, one of n sequences) sees as its
+    response sender: sends go to the whole request's fan-in (its `_send`)."""
 
-    def __init__(self, batch: BatchSender):
-        self._batch = batch
+    def __init__(self, whole: Any):
+        self._whole = whole
 
     def send(self, response: Any = None, flags: int = 0) -> None:
-        self._batch._send(response, flags)
+        self._whole._send(response, flags)
 
     def is_cancelled(self) -> bool:
-        return self._batch.is_cancelled()
+        return self._whole.is_cancelled()

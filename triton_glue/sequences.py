@@ -17,6 +17,7 @@ import threading
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
+from .batch import PartSender
 from .inputs import TextRequest
 
 SEED_SPACE = 2**63  # SamplingParams.seed is in [0, 2**63)
@@ -52,8 +53,8 @@ class SequenceJoiner:
         self._closed = False
         self._lock = threading.Lock()
 
-    def sequence(self) -> "_SequenceSender":
-        return _SequenceSender(self)
+    def sequence(self) -> PartSender:
+        return PartSender(self)
 
     def _send(self, item: Any, flags: int) -> None:
         with self._lock:
@@ -89,14 +90,3 @@ class SequenceJoiner:
         with self._lock:
             closed = self._closed
         return closed or self._sender.is_cancelled()
-
-
-class _SequenceSender:
-    def __init__(self, joiner: SequenceJoiner):
-        self._joiner = joiner
-
-    def send(self, response: Any = None, flags: int = 0) -> None:
-        self._joiner._send(response, flags)
-
-    def is_cancelled(self) -> bool:
-        return self._joiner.is_cancelled()
