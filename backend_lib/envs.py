@@ -35,16 +35,15 @@ def skinny_gemm() -> str:
     raise ValueError(f"{SKINNY_GEMM_ENV}={v!r}: must be off, on or force")
 
 
-# Sampling kernels on CUDA (backend_lib/layers/sampling_kernels.py): rows (one program per row,
-# torch logprobs and masks: the kernels measured on the H200; the default) or split (each row
-# across many programs, sampling_split.py / logprobs_kernels.py: exact against the definitions
-# in Triton's interpreter, not yet run on a GPU; the default once tests/gpu and bench/decode.py
-# --sampler split,rows have run on one).
+# Sampling kernels on CUDA: split (the default: each row spread across many programs,
+# layers/sampling_split.py and logprobs_kernels.py) or rows (one program per row,
+# layers/sampling_kernels.py, torch logprobs and masks). On the H200 split is faster at every
+# batch and sampling mode (bench/RESULTS.md, "Sampler kernels: split vs rows").
 SAMPLER_ENV = "BACKEND_LIB_SAMPLER"
 
 
 def sampler_impl() -> str:
-    v = os.environ.get(SAMPLER_ENV, "rows").strip().lower() or "rows"
+    v = os.environ.get(SAMPLER_ENV, "split").strip().lower() or "split"
     if v not in ("split", "rows"):
         raise ValueError(f"{SAMPLER_ENV}={v!r}: must be split or rows")
     return v
