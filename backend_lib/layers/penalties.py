@@ -32,8 +32,11 @@ class PenaltyState:
         self.repetition[slots] = params[:, 0]
         self.presence[slots] = params[:, 1]
         self.frequency[slots] = params[:, 2]
-        self.counts[slots] = 0
-        self.prompt_mask[slots] = False
+        # index_fill_ takes the value as a kernel argument; `t[slots] = 0` copies a host
+        # scalar tensor to the device, a pageable copy that synchronizes the stream (measured:
+        # every admission step blocked the host until the GPU drained).
+        self.counts.index_fill_(0, slots, 0)
+        self.prompt_mask.index_fill_(0, slots, False)
 
     def load_history(self, hist: torch.Tensor) -> None:
         """hist [3, H] int64 (slot, token, is_output): the prompt tokens and the outputs a
