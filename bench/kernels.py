@@ -81,6 +81,15 @@ def _engine(path: str, args, cuda_graph: bool):
         async_token_handoff="on", enable_cuda_graph=cuda_graph, cuda_graph_max_batch=max(args.batch, 1)))
 
 
+# The census's sampling (bench/decode.py's modes): request i's SamplingParams keywords.
+SAMPLINGS = {
+    "greedy": lambda i: dict(temperature=0.0),
+    "temperature": lambda i: dict(temperature=0.7, seed=i),
+    "top_p": lambda i: dict(temperature=0.7, top_p=0.9, seed=i),
+    "logprobs": lambda i: dict(temperature=0.0, logprobs=5),
+}
+
+
 def profile_decode_steps(path: str, args, cuda_graph: bool, trace: Path) -> dict:
     """Profile args.steps steady decode steps; returns {"events": [(cat, name, dur_us)],
     "steps", "wall_s", "graph", "num_layers"}."""
@@ -90,9 +99,9 @@ def profile_decode_steps(path: str, args, cuda_graph: bool, trace: Path) -> dict
     cuda = args.device == "cuda"
     eng = _engine(path, args, cuda_graph)
     total = args.warmup + args.steps + 4
-    sp = SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
+        sp = SamplingParams(max_tokens=total, ignore_eos=True, **SAMPLINGS[args.sampling](i))
         eng.add_request(f"k{i}", torch.randint(4, min(eng.vocab_size, 32000), (args.prompt_len,),
                                                generator=g).tolist(), sp)
     for _ in range(1 + args.warmup):  # the prefill, then warm decode steps
@@ -280,6 +289,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--batch", type=int, default=1, help="decode batch of the census (default 1)")
     ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy", help="the census's sampling")
     ap.add_argument("--warmup", type=int, default=10, help="decode steps before profiling")
     ap.add_argument("--steps", type=int, default=20, help="profiled decode steps")
     ap.add_argument("--model-dir", default="/tmp/bench-models", help="where the random checkpoint is written")
@@ -317,7 +327,7 @@ def main(argv=None) -> int:
         with _skinny_env(skinny):
             census = census_of(path, args, out / f"kernels_trace{'_skinny' if skinny else ''}.json")
         sections += [f"## Kernels of one decode step: qwen2.5-0.5b shape, batch {args.batch}, "
-                     f"prompt {args.prompt_len}{tag}\n", census_tables(census, cuda), ""]
+                     f"prompt {args.prompt_len}, sampling {args.sampling}{tag}\n", census_tables(census, cuda), ""]
         result["census" + ("_skinny" if skinny else "")] = {
             "kernels_per_step": len(census["events"]) / census["steps"],
             **{k: v for k, v in census.items() if k != "events"}}
