@@ -23,7 +23,7 @@ from .layers.attention import AttentionMetadata
 from .layers import skinny_gemm
 from .layers.logprobs import MAX_LOGPROBS, pack_tokens_and_logprobs, packed_width
 from .layers.penalties import PenaltyState
-from .layers.sampler import SamplingTensors, sample
+from .layers.sampler import SamplingTensors, native_logits_ok, sample
 from .models.loader import build_model
 from .scheduler import SchedulerOutput
 
@@ -283,17 +283,21 @@ class ModelRunner:
         """Last stage: logits of each row's last hidden state -> what the step hands to the
         host: sampled ids [S], or [S, packed_width] ids + logprobs. Penalty rows' tokens are
         counted here, right after sampling (`samples`: rows whose token is a real output)."""
-        logits = self.model.compute_logits(hidden)
-        raw = logits
-        if logprobs and masks:
-            logits = logits.clone()  # logprobs are of the raw logits; only masks/penalties write in place
+        logits = raw = self.model.compute_logits(hidden, upcast=False)
+        native = native_logits_ok(logits)
+        if not native:
+            logits = raw = logits.float()
+            if logprobs and masks:
+                logits = logits.clone()  # logprobs are of the raw logits; masks/penalties write in place
         st = SamplingTensors(
             temperature=self.temperature[slot_c], top_k=self.top_k[slot_c], top_p=self.top_p[slot_c],
             seed=self.seed[slot_c], position=next_pos, banned_ids=self.banned[slot_c],
             min_stop_ids=self.min_stop[slot_c],
             min_tokens_left=self.min_tokens[slot_c] - (next_pos - self.prompt_len[slot_c]),
             min_p=self.min_p[slot_c])
-        if masks:
+        if masks and native:
+            logits = self.penalties.upcast_apply(logits, slot_c)  # the float32 copy masks write into
+        elif masks:
             self.penalties.apply_(logits, slot_c)
         tokens = sample(logits, st, greedy, masks)
         if masks:

@@ -32,7 +32,7 @@ if triton is not None:
         b = tl.program_id(0)
         row = tl.program_id(1)
         offs = b * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         m = tl.max(x, axis=0)
         m_safe = tl.where(m > float("-inf"), m, 0.0)
         tl.store(part_m + row * NB + b, m)
@@ -71,7 +71,7 @@ if triton is not None:
         if tl.load(part_m + row * NB + b) >= floor:
             offs = b * BLOCK + tl.arange(0, BLOCK)
             inb = offs < V
-            x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=inb, other=float("-inf"))
+            x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=inb, other=float("-inf")).to(tl.float32)
             cand = inb & (x >= floor)
             n = tl.minimum(tl.sum(cand.to(tl.int32), axis=0), K)
             keys = tl.where(cand, _keys(x, offs, V), INT64_MIN)
@@ -91,7 +91,7 @@ if triton is not None:
         out = out_ptr + row.to(tl.int64) * (2 + 2 * K)
         tok = tl.load(tokens_ptr + row)
         tl.store(out, tok)
-        lp = tl.load(row_ptr + tok) - lse
+        lp = tl.load(row_ptr + tok).to(tl.float32) - lse
         tl.store(out + 1 + K, lp.to(tl.float64).to(tl.int64, bitcast=True))
         c = tl.arange(0, NCAND)
         keys = tl.load(part_k + row * NB * K + c, mask=c < NB * K, other=INT64_MIN)
@@ -100,7 +100,7 @@ if triton is not None:
             keys = tl.where(keys == top, INT64_MIN, keys)
             idx = (V - 1 - (top & 0x7FFFFFFF)).to(tl.int32)   # the low half is < 2**31
             tl.store(out + 1 + r, idx.to(tl.int64))
-            v = tl.load(row_ptr + idx) - lse
+            v = tl.load(row_ptr + idx).to(tl.float32) - lse
             tl.store(out + 2 + K + r, v.to(tl.float64).to(tl.int64, bitcast=True))
 
 

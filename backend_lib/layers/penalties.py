@@ -55,6 +55,15 @@ class PenaltyState:
         flat = slots * self.vocab + tokens
         self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
+    def upcast_apply(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """float32 copy of model-dtype logits [S, V] with each row's penalties applied, in one
+        pass (Triton kernels on CUDA; `native_logits_ok` says when)."""
+        from . import sampling_kernels
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        return sampling_kernels.apply_penalties_kernel(
+            logits, slots, self.counts, self.prompt_mask, self.repetition, self.presence,
+            self.frequency, out=out)
+
     def apply_(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """In place on logits [S, V] (rows gather their slot's state)."""
         if logits.device.type == "cuda":

@@ -159,6 +159,14 @@ def sample(logits: torch.Tensor, st: SamplingTensors, all_greedy: bool, use_mask
     return sample_reference(logits, st, use_filters=use_masks)
 
 
+def native_logits_ok(logits: torch.Tensor) -> bool:
+    """The split kernels (sampling, masks, penalties, logprobs) read logits in the model's
+    dtype and upcast in registers, which gives the values `.float()` gives: on CUDA with
+    them, the sampler skips the float32 copy of [rows x vocab] (a full extra pass) unless a
+    filter must write into the logits (penalties.upcast_apply makes that copy then)."""
+    return _use_kernels(logits) and _split()
+
+
 def _split() -> bool:
     from . import sampling_kernels
     return sampling_kernels.IMPL == "split"

@@ -2,7 +2,7 @@
 definitions in sampler.py / penalties.py, without sorting the vocabulary and without
 [rows x vocab] temporaries.
 
-One program per row (IMPL "rows", the default; "split" runs sampling_split.py's kernels, the
+One program per row (IMPL "rows"; "split", the default, runs sampling_split.py's kernels, the
 same function with each row across many programs), so each row pays only for its own filters:
 
 - greedy row: one pass (argmax).
@@ -248,26 +248,37 @@ if triton is not None:
             tl.store(out_ptr + row, tok.to(tl.int64))
 
     @triton.jit
-    def _penalty_kernel(logits_ptr, stride, V, slot_ptr, counts_ptr, prompt_ptr, table_stride,
-                        rep_ptr, pres_ptr, freq_ptr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def _penalty_kernel(in_ptr, in_stride, out_ptr, out_stride, V, slot_ptr, counts_ptr, prompt_ptr,
+                        table_stride, rep_ptr, pres_ptr, freq_ptr,
+                        COPY: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """One chunk of one row: out = the row's penalized logits (float32). COPY: out is a
+        separate float32 tensor, so rows without penalties are copied (upcast) too; else in
+        place, and those rows are left alone."""
+        c = tl.program_id(0)
+        row = tl.program_id(1)
         slot = tl.load(slot_ptr + row)
         rp = tl.load(rep_ptr + slot)
         pres = tl.load(pres_ptr + slot)
         freq = tl.load(freq_ptr + slot)
+        src = in_ptr + row.to(tl.int64) * in_stride
+        dst = out_ptr + row.to(tl.int64) * out_stride
         if (rp != 1.0) | (pres != 0.0) | (freq != 0.0):
-            row_ptr = logits_ptr + row.to(tl.int64) * stride
             c_ptr = counts_ptr + slot.to(tl.int64) * table_stride
             p_ptr = prompt_ptr + slot.to(tl.int64) * table_stride
-            for start in range(0, V, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
+            for sub in range(0, CHUNK, BLOCK):
+                offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 inb = offs < V
-                x = tl.load(row_ptr + offs, mask=inb, other=0.0)
-                c = tl.load(c_ptr + offs, mask=inb, other=0)
-                seen = (c > 0) | (tl.load(p_ptr + offs, mask=inb, other=0) != 0)
+                x = tl.load(src + offs, mask=inb, other=0.0).to(tl.float32)
+                cnt = tl.load(c_ptr + offs, mask=inb, other=0)
+                seen = (cnt > 0) | (tl.load(p_ptr + offs, mask=inb, other=0) != 0)
                 x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, rp), x * rp), x)
-                x = x - freq * c.to(tl.float32) - pres * (c > 0).to(tl.float32)
-                tl.store(row_ptr + offs, x, mask=inb)
+                x = x - freq * cnt.to(tl.float32) - pres * (cnt > 0).to(tl.float32)
+                tl.store(dst + offs, x, mask=inb)
+        elif COPY:
+            for sub in range(0, CHUNK, BLOCK):
+                offs = c * CHUNK + sub + tl.arange(0, BLOCK)
+                inb = offs < V
+                tl.store(dst + offs, tl.load(src + offs, mask=inb, other=0.0).to(tl.float32), mask=inb)
 
 
 @functools.lru_cache(maxsize=8)
@@ -278,7 +289,7 @@ def _zeros(n: int, device: str) -> torch.Tensor:
 def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool, only_stage=None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton sampler: (masked) logits [S, V] f32 -> ids [S] int64 (sampler.py's function).
-    IMPL "split" runs sampling_split's chunked kernels; "rows" (the default) this module's
+    IMPL "split" (the default) runs sampling_split's chunked kernels; "rows" this module's
     one program per row. only_stage=(stages [S] int32, value): only those rows, into `out`."""
     if only_stage is None and IMPL == "split":
         from .sampling_split import sample_rows_split
@@ -298,11 +309,19 @@ def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool, only_stage=N
     return out
 
 
+PENALTY_CHUNK = 4096  # tokens per program of the penalty / upcast pass
+
+
 def apply_penalties_kernel(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
                            prompt_mask: torch.Tensor, rep: torch.Tensor, pres: torch.Tensor,
-                           freq: torch.Tensor) -> torch.Tensor:
-    """In place on contiguous logits [S, V]; per-slot tables indexed by `slots`."""
+                           freq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Penalized logits [S, V] (per-slot tables indexed by `slots`): in place on contiguous
+    float32 logits, or, with `out` (float32, any input dtype), one pass that writes every row
+    upcast and the penalty rows penalized (the bf16 logits' only float32 copy)."""
     s, v = logits.shape
-    _penalty_kernel[(s,)](logits, logits.stride(0), v, slots, counts, prompt_mask.view(torch.uint8),
-                          counts.stride(0), rep, pres, freq, BLOCK=BLOCK, num_warps=4)
-    return logits
+    dst = logits if out is None else out
+    grid = (triton.cdiv(v, PENALTY_CHUNK), s)
+    _penalty_kernel[grid](logits, logits.stride(0), dst, dst.stride(0), v, slots, counts,
+                          prompt_mask.view(torch.uint8), counts.stride(0), rep, pres, freq,
+                          COPY=out is not None, CHUNK=PENALTY_CHUNK, BLOCK=1024, num_warps=4)
+    return dst

@@ -37,6 +37,9 @@ STAGE_FALLBACK = 5   # == FALLBACK below, for the host side
 BLOCK = 1024         # elements per inner step of a chunk program
 PIVOT_BLOCK = 256    # the pivot pass holds [PIVOT_BLOCK, PIVOTS] tiles
 MIN_CHUNK, MAX_CHUNK = 1024, 8192
+# The pivot passes (PIVOTS thresholds per element) run only for the rows still searching, a
+# few of the batch: finer chunks there give those rows enough programs to fill the GPU.
+PIVOT_CHUNK_DIVISOR, MIN_PIVOT_CHUNK = 4, 1024
 TARGET_PROGRAMS = 2048  # chunks x rows per pass: enough to fill every SM at batch 1
 
 if triton is not None:
@@ -99,7 +102,7 @@ if triton is not None:
             for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
                 inb = offs < V
-                x = tl.load(row_ptr + offs, mask=inb, other=ninf)
+                x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 s = tl.where(inb, z + _gumbel(key, offs), ninf)
                 bs = tl.max(s, axis=0)
@@ -112,7 +115,7 @@ if triton is not None:
         else:
             for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                x = tl.load(row_ptr + offs, mask=offs < V, other=ninf).to(tl.float32)
                 bs = tl.max(x, axis=0)
                 bi = tl.argmax(x, axis=0) + first + sub
                 tok = tl.where(bs > best, bi, tok)
@@ -156,7 +159,7 @@ if triton is not None:
                     m = tl.max(tl.load(part_f + SC + row * C + o, mask=inc, other=ninf), axis=0)
                     zmin = tl.min(tl.load(part_f + 2 * SC + row * C + o, mask=inc, other=float("inf")), axis=0)
                     t_m = tl.where(mp_on, m + tl.log(tl.maximum(mp, 1e-30)), ninf)
-                    z_s = tl.math.div_rn(tl.load(logits_ptr + row.to(tl.int64) * stride + tok), T)
+                    z_s = tl.math.div_rn(tl.load(logits_ptr + row.to(tl.int64) * stride + tok).to(tl.float32), T)
                     tl.store(state_f + F_MAX * S + row, m)
                     tl.store(state_f + F_ZS * S + row, z_s)
                     tl.store(state_f + F_TM * S + row, t_m)
@@ -185,7 +188,7 @@ if triton is not None:
             w_all = tl.zeros((), dtype=tl.float32)
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 e = tl.where(z >= t_m, tl.exp(z - m), 0.0)
                 gt = (z > z_s) & (z >= t_m)
@@ -254,7 +257,7 @@ if triton is not None:
             mass = tl.zeros([PIVOTS], dtype=tl.float32)
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 ge = z[:, None] >= piv[None, :]
                 cnt += tl.sum(ge.to(tl.int32), axis=0)
@@ -328,7 +331,7 @@ if triton is not None:
             out = scratch_ptr + row.to(tl.int64) * SCRATCH
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 inside = (z >= lo) & (z < hi)
                 n = tl.sum(inside.to(tl.int32), axis=0)
@@ -389,7 +392,7 @@ if triton is not None:
             for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
                 inb = offs < V
-                x = tl.load(row_ptr + offs, mask=inb, other=ninf)
+                x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
                 bs = tl.max(s, axis=0)
@@ -444,9 +447,11 @@ def sample_rows_split(logits: torch.Tensor, st, use_filters: bool) -> torch.Tens
     temp, seed, pos = st.temperature.contiguous(), st.seed.contiguous(), st.position.contiguous()
     top_k, top_p = st.top_k.contiguous(), st.top_p.contiguous()
     min_p = (st.min_p if st.min_p is not None else rows_impl._zeros(s, str(dev))[:s]).contiguous()
+    chunk_p = max(MIN_PIVOT_CHUNK, chunk // PIVOT_CHUNK_DIVISOR)
+    c_p = -(-v // chunk_p)
     out = torch.empty(s, dtype=torch.int64, device=dev)
-    part_f = torch.empty(s * c * (max(3, PIVOTS) if use_filters else 3), dtype=torch.float32, device=dev)
-    part_i = torch.empty(s * c * (PIVOTS if use_filters else 1), dtype=torch.int32, device=dev)
+    part_f = torch.empty(s * max(3 * c, c_p * PIVOTS if use_filters else 0), dtype=torch.float32, device=dev)
+    part_i = torch.empty(s * max(c, c_p * PIVOTS if use_filters else 0), dtype=torch.int32, device=dev)
     stride = logits.stride(0)
     grid = (c, s)
     _pass1[grid](logits, stride, v, temp, seed, pos, top_k, top_p, min_p, part_f, part_i, c,
@@ -461,10 +466,10 @@ def sample_rows_split(logits: torch.Tensor, st, use_filters: bool) -> torch.Tens
                  CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
     _combine2[(s,)](v, top_k, top_p, min_p, state_f, state_i, part_f, part_i, c, CMAX=cmax, num_warps=1)
     for r in range(ROUNDS):
-        _pivots[grid](logits, stride, v, temp, state_f, state_i, part_f, part_i, c,
-                      CHUNK=chunk, BLOCK=PIVOT_BLOCK, PIVOTS=PIVOTS, num_warps=4)
-        _narrow[(s,)](state_f, state_i, part_f, part_i, c, FIRST=r == 0, LAST=r == ROUNDS - 1,
-                      CMAX=cmax, PIVOTS=PIVOTS, SCRATCH=SCRATCH_SPLIT, num_warps=4)
+        _pivots[(c_p, s)](logits, stride, v, temp, state_f, state_i, part_f, part_i, c_p,
+                          CHUNK=chunk_p, BLOCK=PIVOT_BLOCK, PIVOTS=PIVOTS, num_warps=4)
+        _narrow[(s,)](state_f, state_i, part_f, part_i, c_p, FIRST=r == 0, LAST=r == ROUNDS - 1,
+                      CMAX=_pow2(c_p), PIVOTS=PIVOTS, SCRATCH=SCRATCH_SPLIT, num_warps=4)
     scratch = torch.empty(s * SCRATCH_SPLIT, dtype=torch.float32, device=dev)
     _gather[grid](logits, stride, v, temp, state_f, state_i, scratch, c,
                   CHUNK=chunk, BLOCK=BLOCK, SCRATCH=SCRATCH_SPLIT, num_warps=4)

@@ -213,6 +213,9 @@ class DecoderModel(nn.Module):
     def _fused(self, x: torch.Tensor) -> bool:
         return self.use_fused_ops and fused_ops.available(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: rows of the last stage's output (already through the final norm)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden: rows of the last stage's output (already through the final norm). float32
+        logits, or with upcast=False the LM head's own dtype (the sampler's kernels upcast
+        in registers: layers/sampler.native_logits_ok)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits

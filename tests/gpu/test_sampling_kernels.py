@@ -201,6 +201,8 @@ def small_scratch(monkeypatch):
     (several rounds, and the per-row fallback when top_k or a tie exceeds it)."""
     from backend_lib.layers import sampling_split
     monkeypatch.setattr(sampling_split, "SCRATCH_SPLIT", 64 if _ON_CPU else 256)
+    # ... and pivot passes chunked finer than the other passes, as on large batches.
+    monkeypatch.setattr(sampling_split, "MIN_PIVOT_CHUNK", 256)
 
 
 SPLIT_CASES = [
@@ -366,3 +368,53 @@ def test_engine_on_cuda_kernels_equal_torch_path_sync_and_async(tiny_llama_path,
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
     same = sum(a.token_ids == c.token_ids for a, c in zip(asyn, torch_path))
     assert same >= len(prompts) - 1, same  # a float near-tie may break differently, once
+
+
+# ---- model-dtype (bf16) logits: the kernels upcast in registers, as `.float()` does ----------
+@pytest.mark.parametrize("case", [SPLIT_CASES[0], SPLIT_CASES[1], SPLIT_CASES[2], SPLIT_CASES[7], SPLIT_CASES[11]])
+def test_split_kernels_on_bf16_equal_them_on_the_float_copy(case, small_scratch):
+    """The sampler skips the float32 copy of bf16 logits (sampler.native_logits_ok): ids drawn
+    from the bf16 tensor equal those drawn from its .float() copy, exactly."""
+    from backend_lib.layers import sampling_split
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    filters = case["top_k"] > 0 or case["top_p"] < 1 or case["min_p"] > 0
+    for scale, seed0 in ((0.05, 1), (1.0, 2), (4.0, 3)):
+        native = _logits(ROWS, scale).to(torch.bfloat16)
+        st = _tensors(ROWS, seed0=seed0 * 1000 + 7, **case)
+        got = sampling_split.sample_rows_split(native, st, use_filters=filters)
+        want = sampling_split.sample_rows_split(native.float(), st, use_filters=filters)
+        assert torch.equal(got, want), (scale, (got != want).nonzero().flatten().tolist())
+
+
+def test_logprobs_kernel_on_bf16_equals_it_on_the_float_copy():
+    from backend_lib.layers.logprobs_kernels import pack_tokens_and_logprobs_kernel
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    raw = (torch.randn(ROWS, VOCAB, device=DEVICE) * 3).to(torch.bfloat16)
+    raw[:, 4::9] = float("-inf")
+    tokens = torch.randint(0, VOCAB, (ROWS,), device=DEVICE)
+    assert torch.equal(pack_tokens_and_logprobs_kernel(raw, tokens),
+                       pack_tokens_and_logprobs_kernel(raw.float(), tokens))
+
+
+def test_penalty_upcast_pass_equals_upcast_then_in_place():
+    """penalties.upcast_apply's one pass (bf16 in, float32 out, neutral rows copied) equals
+    .float() followed by the in-place penalty kernel, bit for bit."""
+    from backend_lib.layers import sampling_kernels
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    slots_total = ROWS + 3
+    counts = torch.randint(0, 3, (slots_total, VOCAB), dtype=torch.int32, device=DEVICE)
+    counts *= torch.rand(slots_total, VOCAB, device=DEVICE) < 0.01
+    prompt = torch.rand(slots_total, VOCAB, device=DEVICE) < 0.01
+    rep = torch.rand(slots_total, device=DEVICE) + 0.5
+    pres = torch.rand(slots_total, device=DEVICE) * 4 - 2
+    freq = torch.rand(slots_total, device=DEVICE) * 4 - 2
+    rep[0], pres[0], freq[0] = 1.0, 0.0, 0.0
+    slots = torch.randperm(slots_total, device=DEVICE)[:ROWS]
+    slots[0] = 0
+    native = (torch.randn(ROWS, VOCAB, device=DEVICE) * 3).to(torch.bfloat16)
+    native[:, 5] = float("-inf")
+    out = torch.full((ROWS, VOCAB), float("nan"), device=DEVICE)
+    got = sampling_kernels.apply_penalties_kernel(native, slots, counts, prompt, rep, pres, freq, out=out)
+    want = sampling_kernels.apply_penalties_kernel(native.float(), slots, counts, prompt, rep, pres, freq)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(got[0], native[0].float())
