@@ -37,6 +37,8 @@ class EngineConfig:
     async_token_handoff: str = "auto"       # auto | on | off
     enable_cuda_graph: bool = True
     cuda_graph_max_batch: int = 256         # largest captured decode bucket
+    cuda_graph_mixed: bool = False          # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py)
+    cuda_graph_mixed_tokens: str = ""       # their token buckets, e.g. "64,256,1024"; "": powers of two 16.. the budget
     pipeline_parallel_size: int = 1
     max_stop_token_ids: int = 16            # per-request device-side stop-id table width
     seed: int = 0                           # engine seed for requests that give none
@@ -67,11 +69,13 @@ class EngineConfig:
                 fail(name, f"must be an integer >= {lo}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             fail("gpu_memory_utilization", "must be in (0, 1]")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_cuda_graph"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_cuda_graph", "cuda_graph_mixed"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")
         if self.num_kv_blocks and self.num_kv_blocks < 2:
             fail("num_kv_blocks", "must be 0 (auto) or >= 2")
+        from .mixed_graphs import parse_token_buckets
+        parse_token_buckets(self.cuda_graph_mixed_tokens, self.max_num_batched_tokens)  # raises, naming the field
 
     # ---- Triton parameters ------------------------------------------------------------
     @classmethod

@@ -19,6 +19,7 @@ from . import envs
 from .config import AsyncDecision, EngineConfig
 from .decode_graphs import DecodeGraphs, DecodeMeta, graph_buckets
 from .handoff import HostStaging, StepHandle, TokenHandoff
+from .mixed_graphs import MixedGraphs, MixedMeta, mixed_buckets, parse_token_buckets
 from .layers.attention import AttentionMetadata
 from .layers import skinny_gemm
 from .layers.logprobs import MAX_LOGPROBS, pack_tokens_and_logprobs, packed_width
@@ -111,9 +112,12 @@ class ModelRunner:
             self.model, [b for b in self._graph_buckets() if b <= skinny_gemm.MAX_M],
             envs.skinny_gemm()) if self.device.type == "cuda" else None
         self.decode_graphs: Optional[DecodeGraphs] = None
+        self.mixed_graphs: Optional[MixedGraphs] = None
         if self.device.type == "cuda" and cfg.enable_cuda_graph and not self.is_pipeline_stage:
             self.decode_graphs = DecodeGraphs(self._decode_program, self.device, self._graph_buckets(),
                                               out_shape=_decode_out_shape)
+            if cfg.cuda_graph_mixed:
+                self.mixed_graphs = self._make_mixed_graphs(stand_in=False)
 
     def _graph_buckets(self) -> tuple[int, ...]:
         return graph_buckets(min(self.cfg.max_num_seqs, self.cfg.cuda_graph_max_batch))
@@ -125,6 +129,14 @@ class ModelRunner:
             raise ValueError("decode graphs need the whole model (not a pipeline stage)")
         self.decode_graphs = DecodeGraphs(self._decode_program, self.device, self._graph_buckets(),
                                           stand_in=True, out_shape=_decode_out_shape)
+        if self.cfg.cuda_graph_mixed:
+            self.mixed_graphs = self._make_mixed_graphs(stand_in=True)
+
+    def _make_mixed_graphs(self, stand_in: bool) -> MixedGraphs:
+        cfg = self.cfg
+        tokens = parse_token_buckets(cfg.cuda_graph_mixed_tokens, cfg.max_num_batched_tokens)
+        return MixedGraphs(self._mixed_program, self.device, mixed_buckets(tokens, cfg.max_num_seqs),
+                           self.scratch_slot, stand_in=stand_in, out_shape=_decode_out_shape)
 
     @property
     def graphs(self) -> dict:
@@ -242,6 +254,11 @@ class ModelRunner:
         if graphs is not None:
             graphs.invalidate()
         if not decode_only:
+            mixed = self.mixed_graphs
+            launched = None if mixed is None else mixed.launch(sched, greedy, masks, logprobs, self.pack_mixed,
+                                                               self._to_device)
+            if launched is not None:
+                return self.handoff.publish(launched[0], len(rows), start, keepalive=launched[1])
             sampled, keep = self._mixed_step(sched, greedy, masks, logprobs)
             return self.handoff.publish(sampled, len(rows), start, keepalive=keep)
         # Decode larger than every graph bucket (or no graphs): the same program, eagerly.
@@ -317,6 +334,25 @@ class ModelRunner:
         sampled = self._sample_and_relay(hidden[row[2]], row[0], row[3] > 0, row[1], greedy, masks, logprobs)
         return sampled, (tok, row, cu_t)
 
+    def _mixed_program(self, m: MixedMeta, greedy: bool, masks: bool, logprobs: bool = False) -> torch.Tensor:
+        """A mixed step with fixed shapes (one bucket's CUDA-graph program): every per-step
+        quantity comes from the metadata buffer, the attention grid from its shapes."""
+        input_ids = self.gather_input_ids(m.ids, m.relay_src)
+        seq_lens = m.seq_len.to(torch.int32)
+        attn = AttentionMetadata(self._kv_slots(m.tok_slot, m.pos), self.block_table[m.row_slot], seq_lens,
+                                 m.cu.to(torch.int32), None, False)
+        if self.device.type == "cpu":  # the reference attention loops over host lengths
+            attn.seq_lens_host = m.seq_len.tolist()
+            attn.q_lens_host = (m.cu[1:] - m.cu[:-1]).tolist()
+        hidden = self.model(input_ids, m.pos, self.kv_caches, attn)
+        return self._sample_and_relay(hidden[m.last_idx], m.row_slot, m.samples > 0, m.seq_len, greedy, masks,
+                                      logprobs)
+
+    def _kv_slots(self, tok_slot: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Flat KV-cache slot of each token (its request's block table at its position)."""
+        blk = self.block_table[tok_slot].gather(1, (p // self.block_size).unsqueeze(1)).squeeze(1).long()
+        return blk * self.block_size + p % self.block_size
+
     def pack_mixed(self, sched: SchedulerOutput):
         """Host side of a mixed step: tok [ids, relay_src, pos, tok_slot] (4 x T), row
         [slot, seq_len, last_idx, samples] (4 x S), cu_seqlens_q, seq_lens, q_lens."""
@@ -347,9 +383,7 @@ class ModelRunner:
     def mixed_attention(self, p: torch.Tensor, tok_slot: torch.Tensor, row: torch.Tensor,
                         cu_t: torch.Tensor, seq_lens: Optional[list[int]], q_lens: list[int]):
         """(positions, AttentionMetadata) of a mixed step from its device tensors."""
-        blk = self.block_table[tok_slot].gather(1, (p // self.block_size).unsqueeze(1)).squeeze(1).long()
-        slot_mapping = blk * self.block_size + p % self.block_size
         tables = self.block_table[row[0]]
-        attn = AttentionMetadata(slot_mapping, tables, row[1].to(torch.int32), cu_t, max(q_lens),
+        attn = AttentionMetadata(self._kv_slots(tok_slot, p), tables, row[1].to(torch.int32), cu_t, max(q_lens),
                                  all(n == 1 for n in q_lens), seq_lens, q_lens)
         return p, attn

@@ -19,7 +19,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor        # [S, max_blocks] int32
     seq_lens: torch.Tensor            # [S] int32: KV length of each sequence incl. new tokens
     cu_seqlens_q: torch.Tensor        # [S+1] int32: offsets of each sequence's new tokens
-    max_q_len: int                    # host int (grid size of the varlen kernel)
+    max_q_len: Optional[int]          # host int (grid size of the varlen kernel); None: the
+                                      # flat grid from the shapes alone (CUDA-graph capturable)
     is_decode: bool                   # every sequence has exactly one new token
     # Host copies for the reference path (CPU only; None on the CUDA fast path).
     seq_lens_host: Optional[list[int]] = None
@@ -72,9 +73,12 @@ def reference_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scal
     queries placed at the end of the sequence. Exact, simple, slow: the CPU path."""
     bs = k_cache.shape[1]
     hq, hkv = q.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
+    # Zeros where a graph bucket's padding tokens (past the last sequence) sit.
+    out = torch.empty_like(q) if sum(meta.q_lens_host) == q.shape[0] else torch.zeros_like(q)
     start = 0
     for i, (kv_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.q_lens_host)):
+        if q_len == 0:  # a padding row of a graph bucket
+            continue
         nblk = (kv_len + bs - 1) // bs
         blocks = meta.block_tables[i, :nblk].long()
         k = k_cache[blocks].reshape(-1, hkv, k_cache.shape[3])[:kv_len]

@@ -184,6 +184,20 @@ if HAS_TRITON:
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=d_mask)
 
     @triton.jit
+    def _find_seq(CU, pid, num_seqs, BLOCK_Q: tl.constexpr):
+        """The last sequence s with cu[s] // BLOCK_Q + s <= pid (binary search)."""
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = tl.load(CU + mid) // BLOCK_Q + mid
+            if start <= pid:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
     def _prefill_tile(
         q, q_pos, m_i, l_i, acc,
         bt_row, k_base, v_base,
@@ -227,6 +241,7 @@ if HAS_TRITON:
         stride_vb, stride_vt, stride_vh,
         stride_bts,
         stride_ot, stride_oh,
+        num_seqs,                   # FLAT: sequences in CU (padding ones have q_len 0)
         G: tl.constexpr,
         D: tl.constexpr,
         DP: tl.constexpr,
@@ -234,15 +249,29 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,      # rows = (token, head-in-group) pairs
         BLOCK_N: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        FLAT: tl.constexpr,         # grid (T // BLOCK_Q + num_seqs, hkv): shapes only
+        BLOCK_Q: tl.constexpr,      # FLAT: tokens per tile (BLOCK_Q * G <= BLOCK_M)
     ):
-        mt = tl.program_id(0)
-        s = tl.program_id(1)
-        kvh = tl.program_id(2)
-
-        q_start = tl.load(CU + s)
-        q_len = tl.load(CU + s + 1) - q_start
+        if FLAT:
+            # Sequence s owns programs cu[s] // BLOCK_Q + s ..: an upper bound on the tiles
+            # of the sequences before it, so every tile has a program and the grid depends
+            # only on (T, num_seqs), never on the q_lens (CUDA-graph capturable).
+            pid = tl.program_id(0)
+            kvh = tl.program_id(1)
+            s = _find_seq(CU, pid, num_seqs, BLOCK_Q)
+            q_start = tl.load(CU + s)
+            q_len = tl.load(CU + s + 1) - q_start
+            row0 = (pid - (q_start // BLOCK_Q + s)) * (BLOCK_Q * G)
+            tile_rows = BLOCK_Q * G
+        else:
+            mt = tl.program_id(0)
+            s = tl.program_id(1)
+            kvh = tl.program_id(2)
+            q_start = tl.load(CU + s)
+            q_len = tl.load(CU + s + 1) - q_start
+            row0 = mt * BLOCK_M
+            tile_rows = BLOCK_M
         rows_total = q_len * G
-        row0 = mt * BLOCK_M
         if row0 >= rows_total:
             return
         seq_len = tl.load(SL + s)
@@ -254,7 +283,7 @@ if HAS_TRITON:
         d_mask = offs_d < D
 
         rows = row0 + offs_m
-        r_mask = rows < rows_total
+        r_mask = (rows < rows_total) & (offs_m < tile_rows)
         tok = rows // G
         heads = kvh * G + rows % G
         q_pos = ctx + tok       # padding rows: q_pos >= seq_len (harmless, not stored)
@@ -273,7 +302,7 @@ if HAS_TRITON:
         v_base = V + kvh.to(tl.int64) * stride_vh
 
         first_tok = row0 // G
-        last_tok = tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)
+        last_tok = tl.minimum((row0 + tile_rows - 1) // G, q_len - 1)
         kv_end = ctx + last_tok + 1                 # exclusive, <= seq_len
         full_end = ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N   # visible to all rows
 
@@ -439,7 +468,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
-    max_q_len: int,
+    max_q_len: Optional[int],
     out: Optional[torch.Tensor] = None,
     *,
     block_m: Optional[int] = None,
@@ -453,6 +482,11 @@ def paged_prefill_attention(
     seq_lens: [S] int32 total KV length incl. new tokens; block_tables: [S, max_blocks]
     int32; max_q_len: host int >= every q_len.  Query i of sequence s is at absolute
     position seq_lens[s] - q_len_s + i and attends to KV positions <= that.
+
+    max_q_len None: the flat grid, sized from the shapes (T, S) alone, every program
+    finding its (sequence, tile) in cu_seqlens_q on the device: CUDA-graph capturable
+    for a fixed (T, S) bucket. Tokens past cu_seqlens_q[S] (bucket padding) belong to no
+    sequence and their output rows are left unwritten; padding sequences have q_len 0.
     """
     page, hkv, d, hq, g = _check_common(q, k_cache, v_cache)
     assert q.dim() == 3
@@ -462,15 +496,18 @@ def paged_prefill_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.stride(-1) == 1
-    if num_seqs == 0 or q.shape[0] == 0 or max_q_len <= 0:
+    flat = max_q_len is None
+    if num_seqs == 0 or q.shape[0] == 0 or (not flat and max_q_len <= 0):
         return out
 
     dp = _next_pow2(d)
     big = k_cache.element_size() >= 4
-    rows = int(max_q_len) * g
+    rows = q.shape[0] * g if flat else int(max_q_len) * g
     if block_m is None:
         # H200 sweep (bench/attention_kernels.py): 64 beat 128 on every prefill / mixed case.
         block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    if flat:
+        block_m = max(block_m, _next_pow2(g))  # a flat tile holds whole tokens (>= 1)
     if block_n is None:
         block_n = 32 if big else 64
     if num_warps is None:
@@ -478,7 +515,11 @@ def paged_prefill_attention(
     if num_stages is None:
         num_stages = 2 if (big or block_m >= 128) else 3
 
-    grid = (triton.cdiv(rows, block_m), num_seqs, hkv)
+    block_q = max(1, block_m // g)
+    if flat:
+        grid = (q.shape[0] // block_q + num_seqs, hkv)
+    else:
+        grid = (triton.cdiv(rows, block_m), num_seqs, hkv)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
         float(scale) * _LOG2E,
@@ -487,8 +528,9 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        num_seqs,
         G=g, D=d, DP=dp, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PREC=_dot_prec(k_cache.dtype),
+        DOT_PREC=_dot_prec(k_cache.dtype), FLAT=flat, BLOCK_Q=block_q,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -32,6 +32,7 @@ class _LaunchLog:
     reused the saved metadata."""
 
     def __init__(self, eng):
+        self.runner = eng.runner
         self.graphs = eng.runner.decode_graphs
         self.entries = []   # (slots, [first_from_relay per row], reused)
         self.rows = []      # per launch: [(request id, start position, first_from_relay)]
@@ -175,9 +176,9 @@ def _known_after_inflight(req):
     return req.num_prompt_tokens + req.num_generated_with_placeholders
 
 
-def _run_churn(path, mode, specs, budget, seed):
+def _run_churn(path, mode, specs, budget, seed, **engine_kw):
     eng = _graph_engine(path, mode, max_num_batched_tokens=budget, max_num_seqs=8, block_size=4,
-                        num_kv_blocks=60, max_model_len=64)
+                        num_kv_blocks=60, max_model_len=64, **engine_kw)
     log = _LaunchLog(eng)
     rng = random.Random(seed)
 

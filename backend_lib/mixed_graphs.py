@@ -1,0 +1,234 @@
+"""CUDA-graph mixed steps: steps that carry prefill chunks (with or without decode rows),
+replayed as one captured program per (token bucket, sequence bucket, sampling variant).
+
+A mixed step of T tokens in S rows runs in the smallest captured bucket (T_b >= T,
+S_b >= S). The captured program is the runner's mixed program (input ids gathered from the
+relay -> forward with the flat-grid varlen attention -> sample the rows' last tokens ->
+relay write); it reads one persistent metadata buffer (`MixedMeta`) that the host fills
+through the pinned staging ring before each replay. Padding tokens write their KV into the
+reserved block 0 (through the scratch slot's all-zero block-table row) and belong to no
+sequence; padding rows are sequences of q_len 0 that sample into the scratch slot.
+
+Capture policy: the greedy and temperature programs of every bucket are captured when the
+runner starts (what serving workloads use); the masks and logprobs programs of a bucket
+are captured on first use (a one-off device synchronization). A step that fits no bucket,
+or whose capture failed, runs the eager mixed step; each reason is logged once and counted.
+
+On CPU an `EagerGraph` stands in for torch.cuda.CUDAGraph (decode_graphs.py), so bucket
+choice, padding, lazy capture and fallback run in the CPU tests exactly as on the GPU.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .decode_graphs import GRAPH_VARIANTS, EagerGraph, graph_variant
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_BUCKET = 16
+# Captured when the runner starts; the other variants on first use.
+STARTUP_VARIANTS = GRAPH_VARIANTS[:2]
+
+
+def parse_token_buckets(spec: str, max_tokens: int) -> tuple[int, ...]:
+    """Token buckets: a comma list ("" = powers of two from 16 below max_tokens, plus
+    max_tokens itself). Buckets above max_tokens can never be used and are an error."""
+    spec = (spec or "").strip()
+    if not spec:
+        out, b = [], MIN_TOKEN_BUCKET
+        while b < max_tokens:
+            out.append(b)
+            b *= 2
+        return tuple(out) + (max_tokens,)
+    try:
+        vals = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"EngineConfig.cuda_graph_mixed_tokens: not a comma list of integers (got {spec!r})") from None
+    if not vals or vals[0] < 1 or vals[-1] > max_tokens:
+        raise ValueError(f"EngineConfig.cuda_graph_mixed_tokens: buckets must be in 1..max_num_batched_tokens "
+                         f"({max_tokens}) (got {spec!r})")
+    return tuple(vals)
+
+
+def seq_buckets(token_bucket: int, max_seqs: int) -> tuple[int, ...]:
+    """Row buckets of one token bucket: powers of 4 below min(token_bucket, max_seqs), plus
+    that cap. Coarse on purpose: the rows only size the LM head and the sampler (a small
+    part of a mixed step), and every bucket is one more captured graph per variant."""
+    cap = min(token_bucket, max_seqs)
+    out, s = [], 4
+    while s < cap:
+        out.append(s)
+        s *= 4
+    return tuple(out) + (cap,)
+
+
+def mixed_buckets(token_buckets: Sequence[int], max_seqs: int) -> tuple[tuple[int, int], ...]:
+    return tuple((t, s) for t in token_buckets for s in seq_buckets(t, max_seqs))
+
+
+class MixedMeta:
+    """One bucket's persistent metadata: a flat int64 buffer of 4*T + 4*S + (S+1) entries
+    (one upload a step), read through named views. Token views are [T], row views [S]."""
+
+    def __init__(self, packed: torch.Tensor, tokens: int, seqs: int):
+        self.packed, self.tokens, self.seqs = packed, tokens, seqs
+        t, s = tokens, seqs
+        tok = packed[:4 * t].view(4, t)
+        row = packed[4 * t:4 * t + 4 * s].view(4, s)
+        self.ids = tok[0]          # host-known input id (ignored where relay_src >= 0)
+        self.relay_src = tok[1]    # slot whose relay entry is the input id; -1: use ids
+        self.pos = tok[2]          # the token's position
+        self.tok_slot = tok[3]     # the slot whose block table places the token's KV
+        self.row_slot = row[0]     # the row's slot (scratch for padding rows)
+        self.seq_len = row[1]      # KV length after this step (0: padding row)
+        self.last_idx = row[2]     # index of the row's last token (its sampled hidden state)
+        self.samples = row[3]      # 1: the row's sampled token is a real output
+        self.cu = packed[4 * t + 4 * s:]  # [S+1] cu_seqlens_q; padding rows add no tokens
+
+    @staticmethod
+    def size(tokens: int, seqs: int) -> int:
+        return 4 * tokens + 5 * seqs + 1
+
+    @classmethod
+    def empty(cls, tokens: int, seqs: int, scratch_slot: int, device: torch.device) -> "MixedMeta":
+        """All padding (what warm-up and capture run on: every write goes to scratch)."""
+        packed = torch.tensor(cls.host_flat([[], [], [], []], [[], [], [], []], [0], tokens, seqs, scratch_slot),
+                              dtype=torch.int64, device=device)
+        return cls(packed, tokens, seqs)
+
+    @staticmethod
+    def host_flat(tok: list[list[int]], row: list[list[int]], cu: list[int], tokens: int, seqs: int,
+                  scratch_slot: int) -> list[int]:
+        """The flat host buffer of one step: the runner's pack_mixed lists (tok [ids,
+        relay_src, pos, tok_slot], row [slot, seq_len, last_idx, samples], cu) padded to
+        the bucket."""
+        pt, ps = tokens - len(tok[0]), seqs - len(row[0])
+        flat: list[int] = []
+        for vals, fill in zip(tok, (0, -1, 0, scratch_slot)):
+            flat += vals
+            flat += [fill] * pt
+        for vals, fill in zip(row, (scratch_slot, 0, 0, 0)):
+            flat += vals
+            flat += [fill] * ps
+        flat += cu
+        flat += [cu[-1]] * ps
+        return flat
+
+
+@dataclass
+class _Graph:
+    graph: Any            # torch.cuda.CUDAGraph or EagerGraph
+    meta: MixedMeta       # static input
+    out: torch.Tensor     # static output: [S] sampled ids, or [S, C] ids + logprobs
+
+
+# program(meta, all_greedy, use_masks, logprobs) -> [S] ids (or [S, C] with logprobs).
+MixedProgram = Callable[[MixedMeta, bool, bool, bool], torch.Tensor]
+# The runner's host packing of a step: (tok, row, cu, seq_lens, q_lens) (ModelRunner.pack_mixed).
+PackMixed = Callable[[Any], tuple]
+
+
+class MixedGraphs:
+    """Captured mixed-step graphs of one runner."""
+
+    def __init__(self, program: MixedProgram, device: torch.device, buckets: Sequence[tuple[int, int]],
+                 scratch_slot: int, stand_in: bool = False,
+                 out_shape: Callable[[int, tuple], tuple[int, ...]] = lambda s, variant: (s,),
+                 startup_variants: Sequence[tuple] = STARTUP_VARIANTS):
+        self._program = program
+        self._out_shape = out_shape
+        self.device = device
+        self.scratch_slot = scratch_slot
+        self.stand_in = stand_in
+        self.buckets = tuple(sorted(set(buckets)))
+        self.token_buckets = tuple(sorted({t for t, _ in self.buckets}))
+        self.graphs: dict[tuple[int, int, tuple], _Graph] = {}
+        self.failed: dict[tuple, str] = {}   # key -> why its capture failed (eager from then on)
+        self.steps_graphed = 0
+        self.steps_eager = 0
+        self.capture_s = 0.0
+        self._logged: set[str] = set()
+        self._pool = None if stand_in else torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        for key in ((t, s, v) for t, s in self.buckets for v in startup_variants):
+            self._capture(key)
+        logger.info("captured %d %smixed-step graphs in %.1f s: token buckets %s, (tokens, rows) buckets %d",
+                    len(self.graphs), "stand-in " if stand_in else "CUDA ", time.perf_counter() - t0,
+                    self.token_buckets, len(self.buckets))
+
+    def bucket(self, num_tokens: int, num_seqs: int) -> Optional[tuple[int, int]]:
+        """The smallest (T_b, S_b) with T_b >= num_tokens and S_b >= num_seqs."""
+        for t, s in self.buckets:   # sorted by tokens, then rows
+            if t >= num_tokens and s >= num_seqs:
+                return t, s
+        return None
+
+    def launch(self, sched, greedy: bool, masks: bool, logprobs: bool, pack: PackMixed,
+               upload: Callable[[list], torch.Tensor]) -> Optional[tuple[torch.Tensor, tuple]]:
+        """Replay the graph of a mixed step; (static output, tensors to keep alive), or None
+        when the step must run eagerly (no bucket fits, or its capture failed)."""
+        b = self.bucket(sched.num_tokens, len(sched.rows))
+        if b is None:
+            self._eager(f"no bucket holds {len(sched.rows)} rows of {sched.num_tokens} tokens (buckets "
+                        f"up to {self.buckets[-1]})", "no-bucket")
+            return None
+        key = (b[0], b[1], graph_variant(greedy, masks, logprobs))
+        g = self.graphs.get(key) or self._capture(key)
+        if g is None:
+            self._eager(f"the capture of {key} failed: {self.failed[key]}", f"failed-{key}")
+            return None
+        tok, row, cu, _, _ = pack(sched)
+        staged = upload(MixedMeta.host_flat(tok, row, cu, b[0], b[1], self.scratch_slot))
+        g.meta.packed.copy_(staged)
+        g.graph.replay()
+        self.steps_graphed += 1
+        return g.out, (staged,)
+
+    def _eager(self, why: str, tag: str) -> None:
+        self.steps_eager += 1
+        if tag not in self._logged:
+            self._logged.add(tag)
+            logger.warning("mixed step runs eagerly: %s (logged once; MixedGraphs.steps_eager counts them)", why)
+
+    @torch.inference_mode()
+    def _capture(self, key: tuple) -> Optional[_Graph]:
+        if key in self.failed:
+            return None
+        tokens, seqs, variant = key
+        t0 = time.perf_counter()
+        meta = MixedMeta.empty(tokens, seqs, self.scratch_slot, self.device)
+        try:
+            g = self._capture_stand_in(meta, variant) if self.stand_in else self._capture_cuda(meta, variant)
+        except Exception as e:  # out of memory, an op that cannot be captured: eager instead
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            logger.error("mixed-step graph %s: capture failed, its steps run eagerly: %s", key, self.failed[key])
+            return None
+        self.graphs[key] = g
+        self.capture_s += time.perf_counter() - t0
+        return g
+
+    def _capture_stand_in(self, meta: MixedMeta, variant: tuple) -> _Graph:
+        out = torch.zeros(self._out_shape(meta.seqs, variant), dtype=torch.int64, device=self.device)
+        return _Graph(EagerGraph(lambda: self._program(meta, *variant), out), meta, out)
+
+    def _capture_cuda(self, meta: MixedMeta, variant: tuple) -> _Graph:
+        # A capture synchronizes the device by design (once per key); the no-sync rule is
+        # about launching steps, so torch's sync debug mode is paused for it.
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            for _ in range(2):  # warm up: compiles Triton kernels, settles allocations (padding: scratch writes)
+                self._program(meta, *variant)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._program(meta, *variant)
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+        return _Graph(graph, meta, out)
