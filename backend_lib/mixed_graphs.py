@@ -155,7 +155,8 @@ class MixedGraphs:
         self._logged: set[str] = set()
         self._pool = None if stand_in else torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
-        for key in ((t, s, v) for t, s in self.buckets for v in startup_variants):
+        # Largest first: the smaller graphs then reuse the shared pool's blocks.
+        for key in ((t, s, v) for t, s in reversed(self.buckets) for v in startup_variants):
             self._capture(key)
         logger.info("captured %d %smixed-step graphs in %.1f s: token buckets %s, (tokens, rows) buckets %d",
                     len(self.graphs), "stand-in " if stand_in else "CUDA ", time.perf_counter() - t0,
@@ -226,7 +227,9 @@ class MixedGraphs:
                 self._program(meta, *variant)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a first-use capture runs while the engine serves; CUDA calls of
+            # other threads (a sender, a pipeline stage) must neither break nor be broken by it.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._program(meta, *variant)
             torch.cuda.synchronize()
         finally:

@@ -15,6 +15,10 @@ the next step carries its whole prompt as one chunk among the D decodes. Per ste
              step's work then time the GPU alone (CUDA only).
 The decode-only rows are the same measure on the steps between arrivals.
 
+--mixed-graphs off|on|both: steps with a prefill chunk eager (off, the default), replayed as
+CUDA graphs (on: EngineConfig.cuda_graph_mixed; on CPU through the graphs' eager stand-ins,
+a smoke test of the control path only), or both, one engine after the other, one table each.
+
 --profile D,C: after the table, torch.profiler over --reps arrivals of that point (host ops by
 self CPU time, and the CUDA runtime calls: a synchronizing call shows as cudaStreamSynchronize /
 cudaEventSynchronize / cudaHostAlloc / a blocking cudaMemcpyAsync). --sync-debug: the same
@@ -32,7 +36,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_engine(args):
+def build_engine(args, mixed_graphs: bool = False):
     import torch
     from backend_lib import EngineConfig, LLMEngine
     if args.device == "cpu":
@@ -40,7 +44,7 @@ def build_engine(args):
     kw = dict(device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16",
               max_num_seqs=max(args.decodes) + 2, max_model_len=2048,
               max_num_batched_tokens=max(8192, max(args.chunks) + max(args.decodes)),
-              async_token_handoff="off", enable_prefix_caching=False)
+              async_token_handoff="off", enable_prefix_caching=False, cuda_graph_mixed=mixed_graphs)
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = 0.5
     if args.preset:
@@ -48,7 +52,15 @@ def build_engine(args):
         kw.update(model_path=write_preset_config(args.preset, tempfile.mkdtemp()), load_format="dummy")
     else:
         kw["model_path"] = args.model or str(REPO_ROOT / "models" / "tiny-llama")
-    return LLMEngine(EngineConfig(**kw))
+    t0 = time.perf_counter()
+    eng = LLMEngine(EngineConfig(**kw))
+    if mixed_graphs and args.device == "cpu":
+        eng.runner.use_stand_in_graphs()
+    mg = eng.runner.mixed_graphs
+    if mg is not None:
+        print(f"engine ready in {time.perf_counter() - t0:.1f} s; {len(mg.graphs)} mixed-step graphs captured "
+              f"in {mg.capture_s:.1f} s, (tokens, rows) buckets {mg.buckets}", flush=True)
+    return eng
 
 
 class StepTimer:
@@ -113,6 +125,8 @@ def measure(eng, timer: StepTimer, decodes: int, chunk: int, args, vocab: int) -
     recs = timer.resolve()
     for r, w in zip(recs, walls):
         r["wall"] = w - (0.02 if timer.cuda else 0.0)  # the queued sleep is not the step's
+    mg = eng.runner.mixed_graphs
+    graphed_before = mg.steps_graphed if mg is not None else 0
     mixed = [r for r in recs if not r["decode_only"] and r["tokens"] >= chunk]
     dec = [r for r in recs if r["decode_only"] and r["rows"] == decodes]
 
@@ -125,7 +139,9 @@ def measure(eng, timer: StepTimer, decodes: int, chunk: int, args, vocab: int) -
     while eng.has_unfinished():
         eng.step()
     timer.resolve()
-    return dict(decodes=decodes, chunk=chunk, mixed_steps=len(mixed), decode_steps=len(dec),
+    return dict(decodes=decodes, chunk=chunk, mixed_graphs=mg is not None,
+                mixed_steps_graphed=(mg.steps_graphed - graphed_before) if mg is not None else 0,
+                mixed_steps=len(mixed), decode_steps=len(dec),
                 mixed_host_ms=med(mixed, "host"), mixed_wall_ms=med(mixed, "wall"), mixed_gpu_ms=med(mixed, "gpu"),
                 decode_host_ms=med(dec, "host"), decode_wall_ms=med(dec, "wall"), decode_gpu_ms=med(dec, "gpu"))
 
@@ -155,6 +171,8 @@ def main(argv=None) -> None:
     p.add_argument("--chunks", default=None, type=lambda s: [int(x) for x in s.split(",")],
                    help="default 16,256,1024 on CUDA, 16,64 on CPU")
     p.add_argument("--reps", type=int, default=None, help="arrivals per point (default 12 CUDA, 3 CPU)")
+    p.add_argument("--mixed-graphs", default="off", choices=("off", "on", "both"),
+                   help="steps with a prefill chunk: eager, CUDA graphs (cuda_graph_mixed), or both in turn")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--profile", default=None, help="D,C: profile that point's mixed steps (CUDA)")
     p.add_argument("--sync-debug", action="store_true", help="with --profile: also warn on every sync")
@@ -164,22 +182,35 @@ def main(argv=None) -> None:
     args.decodes = args.decodes or ([1, 63, 255] if cuda else [1, 15])
     args.chunks = args.chunks or ([16, 256, 1024] if cuda else [16, 64])
     args.reps = args.reps or (12 if cuda else 3)
-    eng = build_engine(args)
-    timer = StepTimer(eng, cuda)
-    vocab = eng.vocab_size
-    rows = []
-    for d in args.decodes:
-        for c in args.chunks:
-            rows.append(measure(eng, timer, d, c, args, vocab))
-            print(json.dumps(rows[-1]), flush=True)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.mixed_graphs]
     name = args.preset or Path(args.model or "tiny-llama").name
-    print(table(rows, f"{name}, {args.device}, sync engine, {args.reps} arrivals a point; "
-                      f"cuda graphs for decode-only steps"))
+    all_rows, tables = [], []
+    for graphs in modes:
+        eng = build_engine(args, graphs)
+        timer = StepTimer(eng, cuda)
+        vocab = eng.vocab_size
+        rows = []
+        for d in args.decodes:
+            for c in args.chunks:
+                rows.append(measure(eng, timer, d, c, args, vocab))
+                print(json.dumps(rows[-1]), flush=True)
+        tables.append(table(rows, f"{name}, {args.device}, sync engine, {args.reps} arrivals a point; cuda graphs "
+                                  f"for decode-only steps; mixed steps {'as CUDA graphs' if graphs else 'eager'}"))
+        print(tables[-1], flush=True)
+        all_rows += rows
+        if args.profile:
+            profile_point(eng, timer, args, vocab)
+        eng.close()
+        del eng, timer
+        if cuda:
+            import gc
+            import torch
+            gc.collect()
+            torch.cuda.empty_cache()
+    if len(tables) > 1:
+        print("\n\n".join(tables))
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
-    if args.profile:
-        profile_point(eng, timer, args, vocab)
-    eng.close()
+        Path(args.out).write_text(json.dumps(all_rows, indent=1))
 
 
 def profile_point(eng, timer: StepTimer, args, vocab: int) -> None:

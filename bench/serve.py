@@ -356,20 +356,29 @@ def run_inprocess(args, params, vocab, busy: GpuBusy, report: "Report") -> None:
 def run_mixed_burst(args, params, vocab, busy: GpuBusy, report: "Report") -> None:
     """The issue-13 mixed workload: every request submitted at once, async vs sync handoff."""
     reqs = workload("mixed", args, vocab, args.mixed_requests, seed=2)
-    for mode in ("on", "off"):
-        if report.over_budget(f"burst async handoff {mode}"):
-            continue
-        eng = new_engine(params, async_token_handoff=mode)
-        try:
-            closed_loop(eng, reqs[:args.warmup], "greedy", args.warmup, args.warmup, f"burst-{mode}-warm",
-                        args.point_timeout)
-            t0 = time.perf_counter()
-            recs = closed_loop(eng, reqs, "greedy", len(reqs), len(reqs), f"burst-{mode}", args.point_timeout)
-            report.add(row_from(f"in-process, async handoff {mode}", "burst", "greedy", len(reqs), recs,
-                                busy.mean(t0, time.perf_counter()),
-                                async_enabled=bool(eng.engine.async_enabled)))
-        finally:
-            free_engine(eng)
+    graph_modes = args.burst_mixed_graphs or [params.get("cuda_graph_mixed", "false")]
+    for graphs in graph_modes:
+        for mode in ("on", "off"):
+            prefix = "in-process" + (f", mixed graphs {graphs}" if args.burst_mixed_graphs else "")
+            if report.over_budget(f"burst {prefix} async handoff {mode}"):
+                continue
+            eng = new_engine(params, async_token_handoff=mode, cuda_graph_mixed=graphs)
+            try:
+                closed_loop(eng, reqs[:args.warmup], "greedy", args.warmup, args.warmup, f"burst-{mode}-warm",
+                            args.point_timeout)
+                mixed = eng.engine.runner.mixed_graphs
+                before = (mixed.steps_graphed, mixed.steps_eager) if mixed is not None else (0, 0)
+                t0 = time.perf_counter()
+                recs = closed_loop(eng, reqs, "greedy", len(reqs), len(reqs), f"burst-{mode}", args.point_timeout)
+                if mixed is not None:
+                    log(f"burst {prefix}, async {mode}: mixed steps graphed {mixed.steps_graphed - before[0]}, "
+                        f"eager {mixed.steps_eager - before[1]}, graphs {len(mixed.graphs)} "
+                        f"(capture {mixed.capture_s:.1f} s)")
+                report.add(row_from(f"{prefix}, async handoff {mode}", "burst", "greedy", len(reqs), recs,
+                                    busy.mean(t0, time.perf_counter()),
+                                    async_enabled=bool(eng.engine.async_enabled)))
+            finally:
+                free_engine(eng)
 
 
 # ---- Triton --------------------------------------------------------------------------------------
@@ -681,12 +690,13 @@ def markdown(rows: list[dict], header: str) -> str:
                      f"{r['responses_per_req']:.1f} |")
     burst = [r for r in rows if r["workload"] == "burst"]
     if burst:
-        sync = next((r for r in burst if r["path"].endswith("off")), None)
+        syncs = {r["path"].rsplit(", async handoff", 1)[0]: r for r in burst if r["path"].endswith("off")}
         lines += ["", "Mixed workload, every request submitted at once (greedy, ignore_eos):", "",
                   "| path | requests | errors | output tokens | wall s | output tok/s | x sync | TTFT ms p50 | "
                   "TPOT ms p50 | p99 | GPU busy |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in burst:
+            sync = syncs.get(r["path"].rsplit(", async handoff", 1)[0])
             x = r["tok_s"] / sync["tok_s"] if sync and sync["tok_s"] else None
             lines.append(f"| {r['path']} | {r['requests']} | {r['errors']} | {r['output_tokens']} | "
                          f"{r['wall_s']:.2f} | {r['tok_s']:.0f} | {_f(x, '.2f')} | {_f(r['ttft_ms_p50'], '.1f')} | "
@@ -727,6 +737,9 @@ def parse_args(argv=None):
     ap.add_argument("--variant", action="append", type=_variant, dest="variants",
                     help="NAME[:k=v,...]: one Triton server per variant with these llm parameters "
                          "(e.g. 'coalesce-off:stream_coalesce=off'); default one, as configured")
+    ap.add_argument("--burst-mixed-graphs", type=lambda s: [x for x in s.split(",") if x], default=None,
+                    help="burst part: run it for each of these cuda_graph_mixed values (e.g. off,on; "
+                         "default: as configured)")
     ap.add_argument("--parts", default="triton,genai,inproc,burst",
                     help="comma list of triton, genai (genai-perf on the first server), inproc, burst")
     ap.add_argument("--concurrency", type=_int_list, default=None, help="default 1,16,64,256 (cpu: 1,4)")

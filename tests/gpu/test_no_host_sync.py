@@ -6,7 +6,7 @@ copy such as `t[idx] = 0` on a CUDA tensor, `.item()`, `.tolist()`, `nonzero`) m
 wait for the GPU to drain, silently. torch's sync debug mode turns those calls into errors; the
 workload covers every kind of step: admissions mid-decode, prefill chunks mixed with decodes,
 prefix-cache hits, every sampling program (greedy, temperature, top-k/top-p/min-p, penalties,
-banned ids, min_tokens, logprobs) and aborts.
+banned ids, min_tokens, logprobs) and aborts; mixed steps eager and replayed as CUDA graphs.
 """
 import random
 
@@ -31,12 +31,14 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=12 + i % 9, ignore_eos=True, **kinds[i % len(kinds)])
 
 
+@pytest.mark.parametrize("mixed_graphs", [False, True])
 @pytest.mark.parametrize("async_handoff", ["on", "off"])
-def test_step_launch_never_synchronizes(tiny_llama_path, async_handoff):
+def test_step_launch_never_synchronizes(tiny_llama_path, async_handoff, mixed_graphs):
     tiny_llama_path = str(tiny_llama_path)
     eng = LLMEngine(EngineConfig(model_path=tiny_llama_path, device="cuda", dtype="float32",
                                  max_num_seqs=16, max_model_len=512, num_kv_blocks=512,
-                                 max_num_batched_tokens=96, async_token_handoff=async_handoff))
+                                 max_num_batched_tokens=96, async_token_handoff=async_handoff,
+                                 cuda_graph_mixed=mixed_graphs))
     execute = eng.runner.execute
     launched = []
 
@@ -73,4 +75,9 @@ def test_step_launch_never_synchronizes(tiny_llama_path, async_handoff):
     stats = eng.stats()
     assert stats.kv_blocks_used == 0
     assert stats.prefix_cache_hit_tokens_total > 0, "the workload must hit the prefix cache"
+    mixed = eng.runner.mixed_graphs
+    if mixed_graphs:  # mixed steps replayed graphs (a first-use capture may synchronize: it is setup)
+        assert mixed.steps_graphed > 0 and mixed.steps_eager == 0 and not mixed.failed, vars(mixed)
+    else:
+        assert mixed is None
     eng.close()
