@@ -1,6 +1,7 @@
 """Model runner: persistent device tables, per-step input preparation, the decode program
-(replayed through decode_graphs.py's CUDA graphs), forward + on-device sampling, and the
-relay buffer that feeds step n+1's input ids.
+(replayed through decode_graphs.py's CUDA graphs) and the mixed-step program (prefill chunks
+with decodes; replayed through mixed_graphs.py's, or run eagerly), forward + on-device
+sampling, and the relay buffer that feeds step n+1's input ids.
 
 Persistent per-slot device state (rows indexed by the request's slot, updated only when a
 request is admitted or its KV grows): block table, relay token, sampling parameters. Each
@@ -349,8 +350,10 @@ class ModelRunner:
                                       logprobs)
 
     def _kv_slots(self, tok_slot: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """Flat KV-cache slot of each token (its request's block table at its position)."""
-        blk = self.block_table[tok_slot].gather(1, (p // self.block_size).unsqueeze(1)).squeeze(1).long()
+        """Flat KV-cache slot of each token (its request's block table at its position): one
+        element of the table per token, never a [T, max_blocks] copy of its rows."""
+        flat = self.block_table.view(-1)
+        blk = flat[tok_slot * self.block_table.shape[1] + p // self.block_size].long()
         return blk * self.block_size + p % self.block_size
 
     def pack_mixed(self, sched: SchedulerOutput):

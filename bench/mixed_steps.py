@@ -113,6 +113,8 @@ def measure(eng, timer: StepTimer, decodes: int, chunk: int, args, vocab: int) -
     for _ in range(3):
         eng.step()
     timer.resolve()
+    mg = eng.runner.mixed_graphs
+    graphed_before = mg.steps_graphed if mg is not None else 0
     walls: list[tuple[bool, float]] = []
     for k in range(reps):
         prompt = [(k * 977 + j * 13) % (vocab - 20) + 10 for j in range(chunk)]
@@ -125,8 +127,6 @@ def measure(eng, timer: StepTimer, decodes: int, chunk: int, args, vocab: int) -
     recs = timer.resolve()
     for r, w in zip(recs, walls):
         r["wall"] = w - (0.02 if timer.cuda else 0.0)  # the queued sleep is not the step's
-    mg = eng.runner.mixed_graphs
-    graphed_before = mg.steps_graphed if mg is not None else 0
     mixed = [r for r in recs if not r["decode_only"] and r["tokens"] >= chunk]
     dec = [r for r in recs if r["decode_only"] and r["rows"] == decodes]
 

@@ -241,3 +241,16 @@ def test_churn_with_forced_preemptions(tiny_llama_path, budget, seed):
         assert info.stats.kv_blocks_used == 0 and info.stats.num_preemptions >= 5
         assert mg.steps_graphed > 20 and mg.steps_eager == 0, mode
         assert (log.graphs.steps_reused > 0) == (mode == "on")
+
+
+def test_bench_mixed_steps_smoke_both_modes(tmp_path):
+    """bench/mixed_steps.py --mixed-graphs both on CPU (stand-in graphs): one row per point and
+    mode, the mixed steps of the second engine replayed through the graphs."""
+    import json
+    from bench import mixed_steps
+    out = tmp_path / "rows.json"
+    mixed_steps.main(["--mixed-graphs", "both", "--decodes", "2", "--chunks", "16", "--reps", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["mixed_graphs"], r["decodes"], r["chunk"]) for r in rows] == [(False, 2, 16), (True, 2, 16)]
+    assert rows[0]["mixed_steps_graphed"] == 0 and rows[1]["mixed_steps_graphed"] >= 2
+    assert all(r["mixed_steps"] == 2 for r in rows)
