@@ -9,9 +9,9 @@ through the pinned staging ring before each replay. Padding tokens write their K
 reserved block 0 (through the scratch slot's all-zero block-table row) and belong to no
 sequence; padding rows are sequences of q_len 0 that sample into the scratch slot.
 
-Capture policy: the greedy and temperature programs of every bucket are captured when the
-runner starts (what serving workloads use); the masks and logprobs programs of a bucket
-are captured on first use (a one-off device synchronization). A step that fits no bucket,
+Capture policy: the greedy, temperature and full-filter programs of every bucket are
+captured when the runner starts (what serving workloads use); the logprobs program of a
+bucket is captured on first use (a one-off device synchronization). A step that fits no bucket,
 or whose capture failed, runs the eager mixed step; each reason is logged once and counted.
 
 On CPU an `EagerGraph` stands in for torch.cuda.CUDAGraph (decode_graphs.py), so bucket
@@ -31,8 +31,9 @@ from .decode_graphs import GRAPH_VARIANTS, EagerGraph, graph_variant
 logger = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 16
-# Captured when the runner starts; the other variants on first use.
-STARTUP_VARIANTS = GRAPH_VARIANTS[:2]
+# Captured when the runner starts (argmax, temperature, the full filters: what serving
+# workloads use); the logprobs program on first use.
+STARTUP_VARIANTS = GRAPH_VARIANTS[:3]
 
 
 def parse_token_buckets(spec: str, max_tokens: int) -> tuple[int, ...]:

@@ -13,7 +13,8 @@ import torch
 
 from backend_lib import EngineConfig, SamplingParams
 from backend_lib.decode_graphs import GRAPH_VARIANTS
-from backend_lib.mixed_graphs import MixedGraphs, MixedMeta, mixed_buckets, parse_token_buckets, seq_buckets
+from backend_lib.mixed_graphs import (STARTUP_VARIANTS, MixedGraphs, MixedMeta, mixed_buckets, parse_token_buckets,
+                                      seq_buckets)
 from engine_helpers import expected_from_reference, hf_greedy, make_engine, random_prompt, run_specs
 from test_async_vs_sync import ENGINE_KW, _check, workload  # noqa: F401  (the randomized workload fixture)
 from test_blocks import check_block_invariants
@@ -51,8 +52,9 @@ def test_seq_buckets_and_bucket_choice():
     assert graphs.bucket(17, 17) == (64, 64)
     assert graphs.bucket(65, 64) == (256, 64)
     assert graphs.bucket(257, 1) is None and graphs.bucket(20, 65) is None
-    # Started with the greedy and temperature programs of every bucket; the others lazily.
-    assert set(graphs.graphs) == {(t, s, v) for t, s in graphs.buckets for v in GRAPH_VARIANTS[:2]}
+    # Started with the argmax, temperature and full-filter programs of every bucket; logprobs lazily.
+    assert STARTUP_VARIANTS == GRAPH_VARIANTS[:3]
+    assert set(graphs.graphs) == {(t, s, v) for t, s in graphs.buckets for v in STARTUP_VARIANTS}
 
 
 def test_metadata_layout_and_padding():
@@ -170,8 +172,9 @@ def test_every_sampling_program_and_logprobs_equal_eager(path, async_mode):
     assert worst < 1e-4, worst
     mg = eng.runner.mixed_graphs
     assert mg.steps_eager == 0 and mg.steps_graphed > 0
-    # The full program with logprobs (every step here has a logprobs row) was captured on first use.
-    assert {k[2] for k in mg.graphs} == set(GRAPH_VARIANTS[:2]) | {GRAPH_VARIANTS[3]}
+    # The logprobs program was captured on first use.
+    assert {k[2] for k in mg.graphs} == set(GRAPH_VARIANTS)
+    assert len([k for k in mg.graphs if k[2] == GRAPH_VARIANTS[3]]) < len(mg.buckets)
 
 
 def test_eager_fallback_no_bucket_and_failed_capture(path, caplog, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backend_lib import SamplingParams
-from backend_lib.mixed_graphs import MixedGraphs
+from backend_lib.mixed_graphs import STARTUP_VARIANTS, MixedGraphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_engine_gpu import _churn, _engine, _preemption_churn, _prompts  # noqa: E402
@@ -79,7 +79,7 @@ def test_gpu_mixed_graphs_every_sampling_program(tiny_llama_path):
         if graphs:
             mg = eng.runner.mixed_graphs
             assert mg.steps_graphed > 0 and mg.steps_eager == 0 and not mg.failed
-            assert len({k[2] for k in mg.graphs}) == 4  # the masks and logprobs programs: captured on first use
+            assert len({k[2] for k in mg.graphs}) == 4  # the logprobs program: captured on first use
     same = sum(a.token_ids == b.token_ids for a, b in zip(runs[False], runs[True]))
     assert same >= len(prompts) - 2, same
     for a, b in zip(runs[False], runs[True]):
@@ -95,7 +95,7 @@ def test_gpu_mixed_graph_capture_failure_falls_back(tiny_llama_path, monkeypatch
     monkeypatch.setattr(MixedGraphs, "_capture_cuda", broken)
     eng = _engine(tiny_llama_path, async_token_handoff="on", cuda_graph_mixed=True, max_num_batched_tokens=64)
     mg = eng.runner.mixed_graphs
-    assert not mg.graphs and len(mg.failed) == 2 * len(mg.buckets)
+    assert not mg.graphs and len(mg.failed) == len(STARTUP_VARIANTS) * len(mg.buckets)
     prompts = _prompts(4, random.Random(2))
     outs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     ref = _engine(tiny_llama_path, async_token_handoff="on").generate(
