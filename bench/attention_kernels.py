@@ -9,7 +9,8 @@ medians of triton.testing.do_bench over a CUDA graph of back-to-back calls that 
 >= 200 MB of distinct KV (cold L2, no host launch overhead, as in a graph-captured engine);
 the 'eager' column is one plain call including host overhead.  Baseline: gather the paged
 KV with torch indexing, then F.scaled_dot_product_attention (enable_gqa), also graphed.
-Also: a split/tile-config sweep for decode and a BLOCK_M sweep for the varlen prefill kernel.
+Also: a split/tile-config sweep for decode and a BLOCK_M sweep for the varlen prefill kernel,
+and that kernel's flat grid (the mixed-step CUDA graphs' mode) on each case padded to its bucket.
 """
 
 import argparse
@@ -196,6 +197,20 @@ def prefill_table():
             tt = graph_us([lambda bm=bm, nw=nw: paged_prefill_attention(
                 q, k, v, cu, sl, bt, scale, mq, out=out, block_m=bm, num_warps=nw)], rep=50)
             forced.append(f"bm{bm}={tt:.1f}")
+        # The flat grid of a mixed-step CUDA graph (max_q_len None), on the case padded to
+        # its bucket as mixed_graphs.py pads it: tokens to a power of two, rows to a power of 4.
+        tb, sb = 1 << (sum(q_lens) - 1).bit_length(), 4
+        while sb < len(q_lens):
+            sb *= 4
+        q_b = torch.zeros(tb, HQ, D, device=DEV, dtype=DTYPE)
+        q_b[:sum(q_lens)] = q
+        cu_b = torch.cat([cu, cu[-1:].expand(sb - len(q_lens))]).contiguous()
+        sl_b = torch.cat([sl, sl.new_zeros(sb - len(q_lens))]).contiguous()
+        bt_b = torch.cat([bt, bt.new_zeros(sb - len(q_lens), bt.shape[1])]).contiguous()
+        out_b = torch.empty_like(q_b)
+        tfl = graph_us([lambda: paged_prefill_attention(q_b, k, v, cu_b, sl_b, bt_b, scale, None, out=out_b)])
+        err_b = ((out_b[:sum(q_lens)].float() - ref).norm() / ref.norm()).item()
+        forced.append(f"flat[{tb},{sb}]={tfl:.1f} (err {err_b:.1e})")
         extra = ""
         if all(c == 0 for c in ctx_lens) and len(set(q_lens)) == 1:
             qq = q.view(len(q_lens), q_lens[0], HQ, D).transpose(1, 2)
