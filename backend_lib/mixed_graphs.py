@@ -203,9 +203,12 @@ class MixedGraphs:
             return None
         tokens, seqs, variant = key
         t0 = time.perf_counter()
-        meta = MixedMeta.empty(tokens, seqs, self.scratch_slot, self.device)
         try:
-            g = self._capture_stand_in(meta, variant) if self.stand_in else self._capture_cuda(meta, variant)
+            if self.stand_in:
+                g = self._capture_stand_in(MixedMeta.empty(tokens, seqs, self.scratch_slot, self.device), variant)
+            else:
+                with _sync_allowed():
+                    g = self._capture_cuda(MixedMeta.empty(tokens, seqs, self.scratch_slot, self.device), variant)
         except Exception as e:  # out of memory, an op that cannot be captured: eager instead
             self.failed[key] = f"{type(e).__name__}: {e}"
             logger.error("mixed-step graph %s: capture failed, its steps run eagerly: %s", key, self.failed[key])
@@ -219,20 +222,27 @@ class MixedGraphs:
         return _Graph(EagerGraph(lambda: self._program(meta, *variant), out), meta, out)
 
     def _capture_cuda(self, meta: MixedMeta, variant: tuple) -> _Graph:
-        # A capture synchronizes the device by design (once per key); the no-sync rule is
-        # about launching steps, so torch's sync debug mode is paused for it.
-        mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            for _ in range(2):  # warm up: compiles Triton kernels, settles allocations (padding: scratch writes)
-                self._program(meta, *variant)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a first-use capture runs while the engine serves; CUDA calls of
-            # other threads (a sender, a pipeline stage) must neither break nor be broken by it.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._program(meta, *variant)
-            torch.cuda.synchronize()
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
+        for _ in range(2):  # warm up: compiles Triton kernels, settles allocations (padding: scratch writes)
+            self._program(meta, *variant)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a first-use capture runs while the engine serves; CUDA calls of other
+        # threads (a sender, a pipeline stage) must neither break nor be broken by it.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._program(meta, *variant)
+        torch.cuda.synchronize()
         return _Graph(graph, meta, out)
+
+
+class _sync_allowed:
+    """A capture synchronizes the device by design (once per key); the no-sync rule
+    (tests/gpu/test_no_host_sync.py) is about launching steps, so torch's sync debug mode is
+    paused for it."""
+
+    def __enter__(self):
+        self._mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self._mode)
+        return False
