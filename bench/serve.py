@@ -366,7 +366,8 @@ def run_mixed_burst(args, params, vocab, busy: GpuBusy, report: "Report") -> Non
             try:
                 closed_loop(eng, reqs[:args.warmup], "greedy", args.warmup, args.warmup, f"burst-{mode}-warm",
                             args.point_timeout)
-                mixed = eng.engine.runner.mixed_graphs
+                # (an engine in another process has no runner here: no counts then)
+                mixed = getattr(getattr(getattr(eng, "engine", None), "runner", None), "mixed_graphs", None)
                 before = (mixed.steps_graphed, mixed.steps_eager) if mixed is not None else (0, 0)
                 t0 = time.perf_counter()
                 recs = closed_loop(eng, reqs, "greedy", len(reqs), len(reqs), f"burst-{mode}", args.point_timeout)
