@@ -45,7 +45,9 @@ class PenaltyState:
         # Output entries set their bit in the scratch row (never read with penalties on):
         # every write is then True, so duplicates don't race.
         scratch = torch.full_like(slot, self.counts.shape[0] - 1)
-        self.prompt_mask[torch.where(is_out, scratch, slot), tok] = True
+        # A device True (not a Python scalar, whose copy to the device would sync the stream).
+        self.prompt_mask.index_put_((torch.where(is_out, scratch, slot), tok),
+                                    torch.ones((), dtype=torch.bool, device=slot.device))
         self.counts.view(-1).scatter_add_(0, slot * self.vocab + tok, is_out.to(torch.int32))
 
     def count_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -86,7 +86,7 @@ if triton is not None:
             mass = tl.zeros([PIVOTS], dtype=tl.float32)
             for start in range(0, V, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 ge = z[:, None] >= piv[None, :]
                 cnt += tl.sum(ge.to(tl.int32), axis=0)
@@ -119,7 +119,7 @@ if triton is not None:
             base = 0
             for start in range(0, V, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 inside = (z >= lo) & (z < hi)
                 pos = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
@@ -163,7 +163,7 @@ if triton is not None:
                 for start in range(0, V, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
                     inb = offs < V
-                    x = tl.load(row_ptr + offs, mask=inb, other=ninf)
+                    x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
                     z = tl.math.div_rn(x, T)
                     s = tl.where(inb, z + _gumbel(key, offs), ninf)
                     bs = tl.max(s, axis=0)
@@ -185,7 +185,7 @@ if triton is not None:
                     mp_on = mp > 0.0
                     if k_on | p_on | mp_on:
                         t_m = tl.where(mp_on, m + tl.log(tl.maximum(mp, 1e-30)), ninf)
-                        z_s = tl.math.div_rn(tl.load(row_ptr + tok), T)
+                        z_s = tl.math.div_rn(tl.load(row_ptr + tok).to(tl.float32), T)
                         kept = z_s >= t_m
                         mass_s = zsum
                         if k_on | p_on:
@@ -195,7 +195,7 @@ if triton is not None:
                             w_all = tl.zeros((), dtype=tl.float32)
                             for start in range(0, V, BLOCK):
                                 offs = start + tl.arange(0, BLOCK)
-                                x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                                x = tl.load(row_ptr + offs, mask=offs < V, other=ninf).to(tl.float32)
                                 z = tl.math.div_rn(x, T)
                                 e = tl.where(z >= t_m, tl.exp(z - m), 0.0)
                                 gt = (z > z_s) & (z >= t_m)
@@ -216,7 +216,7 @@ if triton is not None:
                                     w = tl.zeros((), dtype=tl.float32)
                                     for start in range(0, V, BLOCK):
                                         offs = start + tl.arange(0, BLOCK)
-                                        x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                                        x = tl.load(row_ptr + offs, mask=offs < V, other=ninf).to(tl.float32)
                                         z = tl.math.div_rn(x, T)
                                         w += tl.sum(tl.where(z >= thr, tl.exp(z - m), 0.0), axis=0)
                                     mass_s = w
@@ -229,7 +229,7 @@ if triton is not None:
                             for start in range(0, V, BLOCK):
                                 offs = start + tl.arange(0, BLOCK)
                                 inb = offs < V
-                                x = tl.load(row_ptr + offs, mask=inb, other=ninf)
+                                x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
                                 z = tl.math.div_rn(x, T)
                                 s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
                                 bs = tl.max(s, axis=0)
@@ -240,7 +240,7 @@ if triton is not None:
                 best = tl.full((), ninf, tl.float32)
                 for start in range(0, V, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
-                    x = tl.load(row_ptr + offs, mask=offs < V, other=ninf)
+                    x = tl.load(row_ptr + offs, mask=offs < V, other=ninf).to(tl.float32)
                     bs = tl.max(x, axis=0)
                     bi = tl.argmax(x, axis=0) + start
                     tok = tl.where(bs > best, bi, tok)
