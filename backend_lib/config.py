@@ -38,7 +38,7 @@ class EngineConfig:
     enable_cuda_graph: bool = True
     cuda_graph_max_batch: int = 256         # largest captured decode bucket
     cuda_graph_mixed: bool = False          # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py)
-    cuda_graph_mixed_tokens: str = ""       # their token buckets, e.g. "64,256,1024"; "": powers of two 16.. the budget
+    cuda_graph_mixed_tokens: str = ""       # their token buckets, e.g. "64,256,1024"; "": mixed_graphs.default_token_buckets
     pipeline_parallel_size: int = 1
     max_stop_token_ids: int = 16            # per-request device-side stop-id table width
     seed: int = 0                           # engine seed for requests that give none

@@ -36,16 +36,28 @@ MIN_TOKEN_BUCKET = 16
 STARTUP_VARIANTS = GRAPH_VARIANTS[:3]
 
 
+# Above this many tokens a step's GEMMs are compute-bound (its cost grows with the padded
+# tokens), so the default buckets step by 1.5x / 1.33x there instead of 2x.
+FINE_BUCKETS_FROM = 256
+
+
+def default_token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """16, 32, .., 256, 384, 512, 768, 1024, 1536, .. below max_tokens, plus max_tokens."""
+    out, b = [], MIN_TOKEN_BUCKET
+    while b < max_tokens:
+        out.append(b)
+        if b >= FINE_BUCKETS_FROM and b * 3 // 2 < max_tokens:
+            out.append(b * 3 // 2)
+        b *= 2
+    return tuple(out) + (max_tokens,)
+
+
 def parse_token_buckets(spec: str, max_tokens: int) -> tuple[int, ...]:
-    """Token buckets: a comma list ("" = powers of two from 16 below max_tokens, plus
-    max_tokens itself). Buckets above max_tokens can never be used and are an error."""
+    """Token buckets: a comma list ("" = default_token_buckets). Buckets above max_tokens
+    can never be used and are an error."""
     spec = (spec or "").strip()
     if not spec:
-        out, b = [], MIN_TOKEN_BUCKET
-        while b < max_tokens:
-            out.append(b)
-            b *= 2
-        return tuple(out) + (max_tokens,)
+        return default_token_buckets(max_tokens)
     try:
         vals = sorted({int(x) for x in spec.split(",") if x.strip()})
     except ValueError:

@@ -24,8 +24,10 @@ from test_decode_graphs import _churn_specs, _run_churn
 # ---- buckets ----------------------------------------------------------------------------------
 
 def test_token_buckets_default_list_and_errors():
-    assert parse_token_buckets("", 2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
-    assert parse_token_buckets("", 3000) == (16, 32, 64, 128, 256, 512, 1024, 2048, 3000)
+    assert parse_token_buckets("", 2048) == (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert parse_token_buckets("", 3000) == (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3000)
+    assert parse_token_buckets("", 8192)[-4:] == (3072, 4096, 6144, 8192)
+    assert parse_token_buckets("", 100) == (16, 32, 64, 100)
     assert parse_token_buckets("", 5) == (5,)
     assert parse_token_buckets(" 256, 16,64,64 ", 512) == (16, 64, 256)
     for bad in ("0,16", "16,4096", "a,b", ","):
