@@ -74,6 +74,8 @@ class EngineConfig:
                 fail(name, "must be a boolean")
         if self.num_kv_blocks and self.num_kv_blocks < 2:
             fail("num_kv_blocks", "must be 0 (auto) or >= 2")
+        if self.cuda_graph_mixed and not self.enable_cuda_graph:
+            fail("cuda_graph_mixed", "needs enable_cuda_graph=true (mixed steps are captured beside decode steps)")
         if not isinstance(self.cuda_graph_mixed_tokens, str):
             fail("cuda_graph_mixed_tokens", "must be a comma list of token counts (a string)")
         from .mixed_graphs import parse_token_buckets

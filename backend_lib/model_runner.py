@@ -365,7 +365,7 @@ class ModelRunner:
         for r in sched.rows:
             slot, n = r.request.slot, r.num_new_tokens
             ids.extend(r.host_token_ids)
-            relay_src.extend([slot if (r.first_from_relay and j == 0) else -1 for j in range(n)])
+            relay_src.extend(([slot] + [-1] * (n - 1)) if r.first_from_relay else [-1] * n)
             pos.extend(range(r.start_pos, r.start_pos + n))
             tok_slot.extend([slot] * n)
             row_slot.append(slot)
