@@ -202,10 +202,14 @@ def main(argv=None) -> None:
             profile_point(eng, timer, args, vocab)
         eng.close()
         del eng, timer
+        # The engine gc.freeze()s its start-up heap, which holds reference cycles (the runner
+        # <-> its graphs' programs): unfrozen, a collection frees its device memory before the
+        # next engine sizes its KV cache from what is free.
+        import gc
+        gc.unfreeze()
+        gc.collect()
         if cuda:
-            import gc
             import torch
-            gc.collect()
             torch.cuda.empty_cache()
     if len(tables) > 1:
         print("\n\n".join(tables))

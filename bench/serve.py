@@ -304,6 +304,9 @@ def new_engine(params: dict[str, str], **overrides):
 def free_engine(eng) -> None:
     eng.shutdown()
     del eng
+    # The engine gc.freeze()s its start-up heap, and that heap holds reference cycles (the
+    # runner <-> its graphs' programs): unfrozen, a collection frees its device memory.
+    gc.unfreeze()
     gc.collect()
     try:
         import torch

@@ -250,14 +250,26 @@ def test_churn_with_forced_preemptions(tiny_llama_path, budget, seed):
         assert (log.graphs.steps_reused > 0) == (mode == "on")
 
 
-def test_bench_mixed_steps_smoke_both_modes(tmp_path):
+def test_bench_mixed_steps_smoke_both_modes(tmp_path, monkeypatch):
     """bench/mixed_steps.py --mixed-graphs both on CPU (stand-in graphs): one row per point and
-    mode, the mixed steps of the second engine replayed through the graphs."""
+    mode, the mixed steps of the second engine replayed through the graphs, and the first
+    engine freed before the second one starts (on CUDA it sizes its KV from free memory)."""
     import json
+    import weakref
     from bench import mixed_steps
+    runners = []
+    build = mixed_steps.build_engine
+
+    def tracked(args, graphs=False):
+        assert all(r() is None for r in runners), "the previous engine is still alive"
+        eng = build(args, graphs)
+        runners.append(weakref.ref(eng.runner))
+        return eng
+
+    monkeypatch.setattr(mixed_steps, "build_engine", tracked)
     out = tmp_path / "rows.json"
     mixed_steps.main(["--mixed-graphs", "both", "--decodes", "2", "--chunks", "16", "--reps", "2", "--out", str(out)])
     rows = json.loads(out.read_text())
     assert [(r["mixed_graphs"], r["decodes"], r["chunk"]) for r in rows] == [(False, 2, 16), (True, 2, 16)]
     assert rows[0]["mixed_steps_graphed"] == 0 and rows[1]["mixed_steps_graphed"] >= 2
-    assert all(r["mixed_steps"] == 2 for r in rows)
+    assert all(r["mixed_steps"] == 2 for r in rows) and len(runners) == 2
