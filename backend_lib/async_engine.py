@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from .config import EngineConfig
 from .engine import EngineStats, LLMEngine
+from .fault_hook import fail_after_steps
 from .request import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger("backend_lib")
@@ -71,13 +72,16 @@ class _FailAll:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False):
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False,
+                 fault_after_steps: int = 0):
         """merge_queued_outputs: when the callbacks fall behind the engine loop, each dispatch
         pass takes every step queued so far and delivers ONE output per request (its tokens
         from all those steps, in order): a slow sink (Triton's response sender) then pays its
         per-output cost once per pass instead of once per step, and every request still gets
-        its tokens at each pass (nothing waits for the engine to slow down)."""
+        its tokens at each pass (nothing waits for the engine to slow down).
+        fault_after_steps: test hook, > 0 makes the engine loop fail after that many steps."""
         self.config = config
+        self._fault_after_steps = fault_after_steps
         self._merge_queued = merge_queued_outputs
         self.error: Optional[BaseException] = None
         self._cmds: "queue.Queue[object]" = queue.Queue()
@@ -123,6 +127,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Abort(request_id))
 
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The synchronous request checks (ValueError names the field); the prompt as a list."""
+        return self.engine.validate(prompt_token_ids, params)
+
     def is_healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
 
@@ -164,6 +172,8 @@ class AsyncEngine:
     def _engine_main(self) -> None:
         try:
             self.engine = LLMEngine(self.config)
+            if self._fault_after_steps > 0:
+                fail_after_steps(self.engine, self._fault_after_steps)
         except BaseException as e:  # noqa: BLE001 - re-raised by the constructor
             self.error = e
             self._ready.set()
@@ -234,9 +244,8 @@ class AsyncEngine:
                 self._deliver(out)
 
     def _merged_with_queued(self, outs: list[RequestOutput]) -> tuple[list[RequestOutput], object]:
-        """outs and every step list queued behind it, one output per request (first-seen order;
-        tokens concatenated; state from its latest output). Also returns the control item
-        (_STOP / _FailAll) that ended the drain, or None."""
+        """outs and every step list queued behind it, one output per request (merge_steps).
+        Also returns the control item (_STOP / _FailAll) that ended the drain, or None."""
         steps, stop_at = [outs], None
         while True:
             try:
@@ -247,29 +256,7 @@ class AsyncEngine:
                 stop_at = nxt
                 break
             steps.append(nxt)
-        if len(steps) == 1:
-            return outs, stop_at
-        # Keyed by (request id, sequence index): n > 1 sequences share the request id.
-        latest: dict[tuple[str, int], RequestOutput] = {}
-        tokens: dict[tuple[str, int], list[int]] = {}
-        logprobs: dict[tuple[str, int], list] = {}
-        done: set[str] = set()
-        for step in steps:
-            for out in step:
-                if out.request_id in done:
-                    continue  # nothing after a request's final output
-                key = (out.request_id, out.index)
-                latest[key] = out
-                tokens.setdefault(key, []).extend(out.new_token_ids)
-                if out.new_logprobs is not None:
-                    logprobs.setdefault(key, []).extend(out.new_logprobs)
-                if out.finished:
-                    done.add(out.request_id)
-        merged = [dataclasses.replace(o, new_token_ids=tokens[k], new_logprobs=logprobs.get(k, o.new_logprobs))
-                  for k, o in latest.items()]
-        # A request's final output goes after its other sequences' (delivery ends the stream).
-        merged.sort(key=lambda o: o.finished)
-        return merged, stop_at
+        return merge_steps(steps), stop_at
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -297,3 +284,31 @@ class AsyncEngine:
                     callback(out)
                 except Exception:
                     logger.exception("output callback failed for request %s", rid)
+
+
+def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
+    """Several steps' outputs as one output per request (first-seen order; tokens concatenated;
+    state from its latest output; nothing after a request's final output)."""
+    if len(steps) == 1:
+        return steps[0]
+    # Keyed by (request id, sequence index): n > 1 sequences share the request id.
+    latest: dict[tuple[str, int], RequestOutput] = {}
+    tokens: dict[tuple[str, int], list[int]] = {}
+    logprobs: dict[tuple[str, int], list] = {}
+    done: set[str] = set()
+    for step in steps:
+        for out in step:
+            if out.request_id in done:
+                continue  # nothing after a request's final output
+            key = (out.request_id, out.index)
+            latest[key] = out
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            if out.new_logprobs is not None:
+                logprobs.setdefault(key, []).extend(out.new_logprobs)
+            if out.finished:
+                done.add(out.request_id)
+    merged = [dataclasses.replace(o, new_token_ids=tokens[k], new_logprobs=logprobs.get(k, o.new_logprobs))
+              for k, o in latest.items()]
+    # A request's final output goes after its other sequences' (delivery ends the stream).
+    merged.sort(key=lambda o: o.finished)
+    return merged

@@ -27,7 +27,7 @@ from .handoff import StepHandle
 from .kv_cache import BlockPool
 from .model_runner import ModelRunner
 from .models.loader import load_hf_config
-from .request import CompletionOutput, Request, RequestOutput, SamplingParams, validate_prompt
+from .request import CompletionOutput, Request, RequestOutput, SamplingParams, validate_request
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("backend_lib")
@@ -119,9 +119,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The request checks against this engine's limits (ValueError names the field);
         returns the prompt as a list."""
-        ids = validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
-        params.validate(self.max_model_len, self.vocab_size, self.config.max_stop_token_ids)
-        return ids
+        return validate_request(prompt_token_ids, params, self.max_model_len, self.vocab_size,
+                                self.config.max_stop_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         ids = self.validate(prompt_token_ids, params)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from . import envs
 from .config import AsyncDecision, EngineConfig
 from .handoff import StepHandle, TokenHandoff, _DoneEvent
+from .interpreter import python_executable
 from .layers.logprobs import packed_width
 from .model_runner import ADMISSION_FLOATS, ModelRunner
 from .scheduler import SchedulerOutput
@@ -223,18 +224,6 @@ def _pick_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def _python_executable() -> str:
-    if os.path.basename(sys.executable or "").startswith("python"):
-        return sys.executable
-    v = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for d in (sys.prefix, sys.exec_prefix, sys.base_prefix):
-        for name in (v, "python3", "python"):
-            cand = os.path.join(d, "bin", name)
-            if os.access(cand, os.X_OK):
-                return cand
-    return sys.executable
-
-
 def _stage_device(cfg: EngineConfig, rank: int) -> torch.device:
     if cfg.device != "cuda":
         return torch.device("cpu")
@@ -386,7 +375,7 @@ class PipelineExecutor:
         self._store = dist.TCPStore(addr, port, pp, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=120))
         ctx = torch.multiprocessing.get_context("spawn")
-        exe = _python_executable()
+        exe = python_executable()
         if exe != sys.executable:  # embedded interpreters (Triton's Python stub) are not python
             ctx.set_executable(exe)
         ready_q = ctx.Queue()

@@ -226,3 +226,13 @@ def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_s
         if not _is_int(t) or not (0 <= t < vocab_size):
             raise ValueError(f"input_ids must be token ids in [0, {vocab_size}) (vocab size); got {t!r}")
     return ids
+
+
+def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, max_model_len: int,
+                     vocab_size: int, max_stop_ids: int) -> list[int]:
+    """Every check of one request against an engine's limits (ValueError names the field);
+    the prompt as a list. The engine and its out-of-process client share it, so their
+    messages are the same."""
+    ids = validate_prompt(prompt_token_ids, max_model_len, vocab_size)
+    params.validate(max_model_len, vocab_size, max_stop_ids)
+    return ids

@@ -44,7 +44,19 @@ GLUE_PARAMETERS = {
     # sys.setswitchinterval for the model's process, in ms ("" keeps Python's 5 ms): how long
     # the sender thread may hold the GIL while the engine loop waits for it
     "gil_switch_interval_ms": "",
+    # "on": the engine loop runs in a process of its own (backend_lib.engine_client), so this
+    # process's threads (the response sender, Triton's) never hold the GIL it needs; "off": a
+    # thread of this process (backend_lib.AsyncEngine)
+    "engine_process": "off",
 }
+
+
+def engine_process(model_config: Union[str, Mapping[str, Any]]) -> bool:
+    """The `engine_process` glue parameter: True for "on", False for "off", else ValueError naming it."""
+    raw = glue_parameter(model_config, "engine_process").strip().lower()
+    if raw not in ("on", "off"):
+        raise ValueError(f"parameter 'engine_process' must be 'on' or 'off', not {raw!r}")
+    return raw == "on"
 
 
 def positive_ms(name: str, raw: str, limit: float = 1000.0) -> float:

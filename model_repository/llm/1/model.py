@@ -2,8 +2,10 @@
 
 Threads (per model instance):
   - Triton's execute thread: parse + validate + AsyncEngine.add_request, returns None at once;
-  - the engine loop thread (backend_lib);
-  - the engine's dispatcher thread: the ONLY sender; it turns RequestOutputs into responses;
+  - the engine loop thread (backend_lib.AsyncEngine), or with engine_process=on the engine loop
+    in a process of its own (backend_lib.EngineProcessClient) and nothing of it here;
+  - the engine's dispatcher thread (engine_process=on: its output reader thread): the ONLY
+    sender; it turns RequestOutputs into responses;
   - a monitor thread: polls is_cancelled() of in-flight requests, one pass per cancel_poll_ms
     (-> AsyncEngine.abort), and exports engine stats to the metrics endpoint.
 Every request gets exactly one FINAL: from the dispatcher (normal end, abort, engine error),
@@ -147,16 +149,19 @@ class TritonPythonModel:
             sys.setswitchinterval(glue_config.positive_ms("gil_switch_interval_ms", switch_ms) / 1e3)
         self.metrics = EngineMetrics(pb_utils, {"model": self.name, "version": args["model_version"]})
 
-        from backend_lib import AsyncEngine
-        self.logger.log_info(f"[llm] starting engine: {cfg.to_json()}")
+        in_process = not glue_config.engine_process(self.model_config)
+        fault_after = int(glue_config.glue_parameter(self.model_config, "test_fault_after_steps"))
+        from backend_lib import AsyncEngine, EngineProcessClient
+        self.logger.log_info(f"[llm] starting engine ({'in process' if in_process else 'engine process'}): "
+                             f"{cfg.to_json()}")
         # stream_coalesce=auto: when the sender lags the engine, one response per request per
-        # dispatch pass carries every step queued meanwhile.
-        self.engine = AsyncEngine(cfg, merge_queued_outputs=self.coalesce)  # re-raises engine errors
+        # dispatch pass carries every step queued meanwhile. Both re-raise the engine's start-up errors.
+        engine_cls = AsyncEngine if in_process else EngineProcessClient
+        self.engine = engine_cls(cfg, merge_queued_outputs=self.coalesce, fault_after_steps=fault_after)
+        if fault_after > 0:
+            self.logger.log_warn(f"[llm] test hook: the engine will fail after {fault_after} steps")
         self.logger.log_info(f"[llm] engine ready (vocab={self.engine.vocab_size}, "
                              f"max_model_len={self.engine.max_model_len})")
-        fault_after = int(glue_config.glue_parameter(self.model_config, "test_fault_after_steps"))
-        if fault_after > 0:
-            self._inject_engine_fault(fault_after)
         self._ids = itertools.count()
         self._inflight = {}
         # Triton request id -> _Group: control cancels (BLS "bls-..." keys) and TensorRT-LLM stop requests
@@ -176,19 +181,6 @@ class TritonPythonModel:
         self._ready_url = f"{base}/v2/models/{self.name}/versions/{self.version}/ready" if base else None
         self._monitor = threading.Thread(target=self._monitor_main, name="llm-monitor", daemon=True)
         self._monitor.start()
-
-    def _inject_engine_fault(self, after_steps):
-        """Test hook (parameter test_fault_after_steps): the engine thread dies after N steps."""
-        eng = self.engine.engine
-        real_step, count = eng.step, itertools.count(1)
-
-        def failing_step():
-            if next(count) > after_steps:
-                raise RuntimeError(f"injected engine fault after {after_steps} steps")
-            return real_step()
-
-        eng.step = failing_step
-        self.logger.log_warn(f"[llm] test hook: the engine will fail after {after_steps} steps")
 
     # ---- execute: parse + enqueue only --------------------------------------------------
     def execute(self, requests):
@@ -214,7 +206,7 @@ class TritonPythonModel:
                 rows = parse_token_requests(arrays)
                 params = [r.sampling.to_params() for r in rows]
                 for r, p in zip(rows, params):  # every row before any reaches the engine
-                    self.engine.engine.validate(r.prompt_ids, p)
+                    self.engine.validate(r.prompt_ids, p)
                 group = _Group(sender, len(rows), bls)
                 ctxs = [_Inflight(f"{self.instance}-{next(self._ids)}", group, r) for r in rows]
                 group.rows = ctxs

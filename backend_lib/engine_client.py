@@ -1,0 +1,326 @@
+"""EngineProcessClient: AsyncEngine's interface over an engine core in its own OS process.
+
+In the Triton model's process the response sender, cancellation polling and Triton's own
+threads share one GIL; with the engine loop among them, a fast model's step (~1.3 ms) waits
+for that GIL and the GPU idles. Here the loop runs in `python -m backend_lib.engine_core`
+(vLLM's AsyncLLM / EngineCore split) and this process only validates, forwards and delivers.
+
+Threads here: the callers' (add_request / abort / stats send one small message each) and ONE
+reader thread that receives the core's messages (each holds every engine step finished since
+the core's last write) and runs the callbacks, in order, as AsyncEngine's dispatcher does.
+
+Lifecycle: the child is started with this process's venv python (not sys.executable, which
+inside Triton's stub is the stub binary), dies with this process (parent-death signal, and EOF
+on its socket), re-raises its start-up error here with its message, and when it dies mid-run
+every in-flight request ends with an error output and is_healthy() turns False. This process
+never initializes CUDA.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import engine_wire as wire
+from .async_engine import Callback, RequestStream, merge_steps
+from .config import EngineConfig
+from .engine import EngineStats
+from .interpreter import python_executable
+from .request import FinishReason, RequestOutput, SamplingParams, validate_request
+
+logger = logging.getLogger("backend_lib")
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # the folder holding backend_lib/
+STATS_TIMEOUT_S = 2.0   # a stats() call waits this long for the core's reply, then gives the last one
+# Messages the reader takes at once before delivering: enough to merge a backlog, bounded so
+# that the first tokens of a long backlog are not held back.
+MAX_MESSAGES_PER_PASS = 64
+
+
+class EngineProcessClient:
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False,
+                 fault_after_steps: int = 0):
+        """merge_queued_outputs: as AsyncEngine's. fault_after_steps: test hook, the core's
+        engine loop raises after that many steps."""
+        self.config = config
+        self._merge_queued = merge_queued_outputs
+        self.error: Optional[BaseException] = None
+        self._sinks: dict[str, tuple[RequestStream, Optional[Callback]]] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._stopped_cleanly = False
+        self._stats_seq = itertools.count()
+        self._stats_waiting: dict[int, list] = {}   # seq -> [Event, EngineStats | None]
+        self._last_stats = EngineStats()
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                                  if p and p != _PACKAGE_PARENT])
+        try:
+            self._proc = subprocess.Popen(
+                [python_executable(), "-m", "backend_lib.engine_core", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        self.pid = self._proc.pid
+        self._conn = Connection(ours.detach())
+        # A client dropped without shutdown() (or an interpreter exit) must not leave the core running.
+        self._finalizer = weakref.finalize(self, _kill, self._proc)
+        try:
+            self._send([(wire.START, config, int(fault_after_steps))])
+            info = self._await_ready(startup_timeout)
+        except BaseException:
+            self._finalizer()
+            self._conn.close()
+            raise
+        self.vocab_size = info["vocab_size"]
+        self.max_model_len = info["max_model_len"]
+        self.eos_token_ids = info["eos_token_ids"]
+        self._reader = threading.Thread(target=self._reader_main, name="engine-proc-reader", daemon=True)
+        self._reader.start()
+
+    def _await_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.2):
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"engine process (pid {self.pid}) exited during start-up "
+                                   f"({_exit_text(self._proc.returncode)}); its log has the reason")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine did not start within {timeout} s")
+        try:
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.wait(10)
+            raise RuntimeError(f"engine process (pid {self.pid}) exited during start-up "
+                               f"({_exit_text(code)}); its log has the reason") from None
+        if msg[0] == wire.STARTUP_ERROR:
+            _, type_name, message, tb = msg
+            logger.debug("engine process start-up failed:\n%s", tb)
+            self._proc.wait(30)
+            raise wire.rebuild_startup_error(type_name, message)
+        assert msg[0] == wire.READY, msg[0]
+        return msg[1]
+
+    # ---- caller side ----------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The engine's synchronous request checks, here (same function, same messages)."""
+        return validate_request(prompt_token_ids, params, self.max_model_len, self.vocab_size,
+                                self.config.max_stop_token_ids)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    callback: Optional[Callback] = None) -> RequestStream:
+        if not self.is_healthy():
+            raise RuntimeError(f"engine is not healthy: {self.error!r}")
+        ids = self.validate(prompt_token_ids, params)  # errors raise here, synchronously
+        stream = RequestStream(request_id)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            if request_id in self._sinks:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._sinks[request_id] = (stream, callback)
+        try:
+            self._send([(wire.ADD, request_id, ids, params)])
+        except OSError:
+            with self._lock:
+                self._sinks.pop(request_id, None)
+            raise RuntimeError(f"engine is not healthy: {self.error!r}") from None
+        if not self.is_healthy():  # died while we registered: the fail-all may have run already
+            with self._lock:
+                sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                raise RuntimeError(f"engine is not healthy: {self.error!r}")
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send([(wire.ABORT, request_id)])
+        except OSError:
+            pass  # the core is gone: the request ends with the fail-all
+
+    def is_healthy(self) -> bool:
+        return self.error is None and self._reader_alive() and self._proc.poll() is None
+
+    def _reader_alive(self) -> bool:
+        r = getattr(self, "_reader", None)
+        return r is not None and r.is_alive()
+
+    def stats(self) -> EngineStats:
+        """The core's stats, fresh (a round trip, behind the outputs already sent); the last
+        ones seen when the core is gone or does not answer within STATS_TIMEOUT_S."""
+        if not self.is_healthy():
+            return self._last_stats
+        seq = next(self._stats_seq)
+        slot = [threading.Event(), None]
+        with self._lock:
+            self._stats_waiting[seq] = slot
+        try:
+            self._send([(wire.STATS, seq)])
+            slot[0].wait(STATS_TIMEOUT_S)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._stats_waiting.pop(seq, None)
+        return slot[1] if slot[1] is not None else self._last_stats
+
+    def backlog(self) -> int:
+        return 0  # the core's writer merges what the reader has not taken into its next message
+
+    def num_inflight(self) -> int:
+        with self._lock:
+            return len(self._sinks)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (each request still gets its final output), stop the core;
+        within `timeout` seconds in all. Callbacks only run on the reader thread: if it is stuck
+        in one past the timeout, the requests it has not finished get their final output once
+        it is free (from the messages already received), none from this thread."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._stopping = True
+        try:
+            self._send([(wire.STOP,)])
+        except OSError:
+            pass
+        try:
+            self._proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.error("engine process (pid %d) did not stop within %.1f s; killing it", self.pid, timeout)
+            _kill(self._proc)
+        self._reader.join(max(0.0, deadline - time.monotonic()))
+        if self._reader.is_alive():
+            logger.error("engine output reader still busy in a callback after %.1f s", timeout)
+        else:
+            self._conn.close()
+        self._finalizer.detach()
+
+    # ---- reader thread ----------------------------------------------------------------------
+    def _send(self, cmds: list) -> None:
+        with self._send_lock:
+            self._conn.send(cmds)
+
+    def _reader_main(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                msgs = [conn.recv()]
+                while len(msgs) < MAX_MESSAGES_PER_PASS and conn.poll(0):
+                    msgs.append(conn.recv())
+            except (EOFError, OSError):
+                break
+            steps: list = []
+            for msg in msgs:
+                if msg[0] == wire.STEPS:
+                    steps.extend(msg[1])
+                    continue
+                if steps:
+                    self._deliver_steps(steps)
+                    steps = []
+                self._control(msg)
+            if steps:
+                self._deliver_steps(steps)
+        self._core_gone()
+
+    def _deliver_steps(self, steps: list) -> None:
+        decoded = [[wire.decode_output(t) for t in step] for step in steps]
+        if self._merge_queued:
+            decoded = [merge_steps(decoded)]
+        for step in decoded:
+            for out in step:
+                self._deliver(out)
+
+    def _control(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == wire.STATS:
+            _, seq, stats = msg
+            self._last_stats = stats
+            with self._lock:
+                slot = self._stats_waiting.get(seq)
+            if slot is not None:
+                slot[1] = stats
+                slot[0].set()
+        elif kind == wire.DIED:
+            self.error = wire.EngineCoreError(msg[1])
+            logger.error("engine process (pid %d) loop died: %s", self.pid, msg[1])
+        elif kind == wire.STOPPED:
+            self._stopped_cleanly = True
+
+    def _core_gone(self) -> None:
+        """The core's socket closed: after a stop every request has had its final output (any
+        left ends as aborted); otherwise the core died and every request ends with an error."""
+        if self.error is None and not (self._stopped_cleanly or self._stopping):
+            try:
+                code = self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
+            self.error = wire.EngineCoreError(f"EngineProcessDied('engine process (pid {self.pid}) "
+                                              f"{_exit_text(code)}')")
+            logger.error("engine process (pid %d) died: %s", self.pid, _exit_text(code))
+        for ev in list(self._stats_waiting.values()):
+            ev[0].set()
+        if self.error is not None:
+            self._fail_all(FinishReason.ERROR, f"engine failed: {self.error!r}")
+        else:
+            self._fail_all(FinishReason.ABORT, None)
+        _kill(self._proc)  # a core that closed its socket but lingers
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+        if sink is None:
+            return
+        stream, callback = sink
+        if callback is None:
+            stream._put(out)
+            return
+        try:
+            callback(out)
+        except Exception:  # a broken sink must not stop other requests' delivery
+            logger.exception("output callback failed for request %s", out.request_id)
+
+    def _fail_all(self, reason: FinishReason, error: Optional[str]) -> None:
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        for rid, (stream, callback) in sinks.items():
+            out = RequestOutput(rid, [], True, reason, error=error)
+            if callback is None:
+                stream._put(out)
+            else:
+                try:
+                    callback(out)
+                except Exception:
+                    logger.exception("output callback failed for request %s", rid)
+
+
+def _exit_text(code: Optional[int]) -> str:
+    if code is None:
+        return "is not answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass

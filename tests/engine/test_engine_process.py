@@ -1,0 +1,309 @@
+"""EngineProcessClient: the engine core in its own process behaves as AsyncEngine does: the
+same tokens as LLMEngine.generate (greedy, seeded sampling, stop ids; callback and iterator),
+merged outputs behind a slow callback, abort and shutdown finals, the same synchronous
+validation messages, start-up errors re-raised with the child's type and message, engine
+death and a killed core (every request ends with an error, unhealthy), and no core left
+behind: after shutdown, after the parent is killed, after SIGINT to the group."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from backend_lib import AsyncEngine, EngineConfig, EngineProcessClient, SamplingParams
+from engine_helpers import greedy, make_engine
+from test_async_engine import KW, _workload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread_core():
+    # the core is a fresh process: the conftest's torch.set_num_threads(1) does not reach it
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = old
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(pred, timeout=60.0):
+    t0 = time.time()
+    while not pred():
+        assert time.time() - t0 < timeout, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def generate_reference(path):
+    prompts, params = _workload()
+    outs = make_engine(path, **{k: v for k, v in KW.items() if k not in ("device", "dtype")}).generate(prompts, params)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 3
+    return prompts, params, [(o.token_ids, o.finish_reason) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def client(path):
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    yield c
+    c.shutdown()
+    assert not _alive(c.pid)
+
+
+def test_streamed_equals_generate(client, generate_reference):
+    prompts, params, ref = generate_reference
+    got: dict[str, list] = {}
+    threads = set()
+    done = threading.Event()
+    lock = threading.Lock()
+    half = len(prompts) // 2
+
+    def cb(out):
+        threads.add(threading.get_ident())
+        with lock:
+            got.setdefault(out.request_id, []).append(out)
+            if sum(1 for v in got.values() if v[-1].finished) == half:
+                done.set()
+
+    streams = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if i < half:
+            client.add_request(f"cb-{i}", p, sp, callback=cb)
+        else:
+            streams.append(client.add_request(f"it-{i}", p, sp))
+        if i % 7 == 0:
+            time.sleep(0.01)  # staggered arrivals
+    iterated = [list(s) for s in streams]
+    assert done.wait(120)
+    assert len(threads) == 1 and threading.get_ident() not in threads  # one reader thread
+    for i in range(len(prompts)):
+        outs = got[f"cb-{i}"] if i < half else iterated[i - half]
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        toks = [t for o in outs for t in o.new_token_ids]
+        assert (toks, str(outs[-1].finish_reason)) == ref[i], i
+        assert outs[-1].num_output_tokens == len(toks) and outs[-1].num_prompt_tokens == len(prompts[i])
+    _wait(lambda: client.num_inflight() == 0)
+    st = client.stats()
+    assert st.kv_blocks_used == 0 and st.num_running == 0
+    assert st.generation_tokens_total >= sum(len(t) for t, _ in ref)
+
+
+def test_logprobs_and_n_cross_the_process(client, path):
+    """Parallel sampling (n = 3, seeded) and logprobs: what generate gives, per sequence index."""
+    sp = SamplingParams(max_tokens=6, temperature=0.8, seed=11, n=3, logprobs=2, ignore_eos=True)
+    ref = make_engine(path, **{k: v for k, v in KW.items() if k not in ("device", "dtype")}).generate([[5, 6, 7]], sp)
+    outs = list(client.add_request("n3", [5, 6, 7], sp))
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    for r in ref:
+        mine = [o for o in outs if o.index == r.index]
+        assert [t for o in mine for t in o.new_token_ids] == r.token_ids
+        lps = [d for o in mine for d in (o.new_logprobs or [])]
+        assert lps == r.logprobs
+        assert mine[-1].cumulative_logprob == pytest.approx(r.cumulative_logprob)
+
+
+def test_validation_messages_match_the_engine(client, path):
+    eng = make_engine(path, **{k: v for k, v in KW.items() if k not in ("device", "dtype")})
+    cases = [([], greedy(3)), ([5, 768], greedy(3)), ([5], SamplingParams(max_tokens=3, top_p=0.0)),
+             ([5], greedy(0)), ([5] * 512, greedy(3)), ([5], greedy(3, min_tokens=4)),
+             ([5], greedy(3, stop_token_ids=[9999])), ([5], greedy(3, stop_token_ids=list(range(4, 30)))),
+             ([5], SamplingParams(max_tokens=3, n=17)), ([5], SamplingParams(max_tokens=3, logprobs=21))]
+    for prompt, sp in cases:
+        with pytest.raises(ValueError) as want:
+            eng.validate(prompt, sp)
+        with pytest.raises(ValueError) as got:
+            client.add_request("bad", prompt, sp)
+        assert str(got.value) == str(want.value)
+    s = client.add_request("dup", [5, 6], greedy(30, ignore_eos=True))
+    with pytest.raises(ValueError, match="request_id 'dup' is already in use"):
+        client.add_request("dup", [5], greedy(3))
+    assert len(s.result()[0]) == 30
+    toks, reason = client.add_request("bad", [5, 6, 7], greedy(2, ignore_eos=True)).result()
+    assert len(toks) == 2 and client.is_healthy()
+
+
+def test_abort_by_id(client, path):
+    p = [5, 6, 7, 8, 9]
+    full = make_engine(path).generate([p], greedy(40, ignore_eos=True))[0].token_ids
+    outs, first = [], threading.Event()
+
+    def cb(out):
+        outs.append(out)
+        first.set()
+
+    client.add_request("victim", p, greedy(400, ignore_eos=True), callback=cb)
+    assert first.wait(60)
+    client.abort("victim")
+    _wait(lambda: outs and outs[-1].finished)
+    toks = [t for o in outs for t in o.new_token_ids]
+    assert str(outs[-1].finish_reason) == "abort" and 0 < len(toks) < 400
+    n = min(len(toks), len(full))
+    assert toks[:n] == full[:n]
+    client.abort("victim")
+    client.abort("never-added")
+    _wait(lambda: client.stats().kv_blocks_used == 0, 10)
+
+
+def test_sigint_to_the_core_is_ignored(client):
+    """Ctrl-C reaches the whole process group; the stub decides when the engine stops."""
+    os.kill(client.pid, signal.SIGINT)
+    toks, reason = client.add_request("after-int", [5, 6, 7], greedy(5, ignore_eos=True)).result()
+    assert len(toks) == 5 and str(reason) == "length" and client.is_healthy()
+
+
+def test_shutdown_with_requests_in_flight(path):
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    streams = [c.add_request(f"s{i}", [5, 6, 7, i + 10], greedy(400, ignore_eos=True)) for i in range(4)]
+    waiting = [c.add_request(f"w{i}", [7] * 300, greedy(400, ignore_eos=True)) for i in range(2)]
+    _wait(lambda: c.stats().generation_tokens_total > 8)
+    t0 = time.monotonic()
+    c.shutdown()
+    assert time.monotonic() - t0 < 10
+    for s in streams + waiting:
+        assert str(s.result()[1]) == "abort"
+    assert not _alive(c.pid) and not c.is_healthy()
+    with pytest.raises(RuntimeError):
+        c.add_request("late", [5], greedy(3))
+
+
+def test_merged_outputs_behind_a_slow_callback(path, generate_reference):
+    prompts, params, ref = generate_reference
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW), merge_queued_outputs=True)
+    calls: dict[str, list] = {}
+    lock = threading.Lock()
+
+    def cb(out):
+        with lock:
+            calls.setdefault(out.request_id, []).append(out)
+        time.sleep(0.002)
+
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            c.add_request(f"r{i}", p, sp, callback=cb)
+        _wait(lambda: len(calls) == len(prompts) and all(v[-1].finished for v in calls.values()), 120)
+    finally:
+        c.shutdown()
+    merged = 0
+    for i, (toks, reason) in enumerate(ref):
+        outs = calls[f"r{i}"]
+        assert [t for o in outs for t in o.new_token_ids] == toks, i
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], i
+        assert str(outs[-1].finish_reason) == reason
+        merged += any(len(o.new_token_ids) > 1 for o in outs)
+    assert merged >= 3  # several steps' tokens in one callback
+
+
+def test_startup_errors_reraised_like_the_in_process_engine(tmp_path):
+    missing = EngineConfig(model_path=str(tmp_path / "no-such-model"), **KW)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama"')
+    broken = EngineConfig(model_path=str(tmp_path / "broken"), **KW)
+    for cfg in (missing, broken):
+        with pytest.raises(Exception) as want:
+            AsyncEngine(cfg)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as got:
+            EngineProcessClient(cfg)
+        assert time.monotonic() - t0 < 60
+        assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    assert "model_path" in str(got.value) or "config.json" in str(got.value)
+
+
+def _fail_both(path, after_steps):
+    """(outputs, health, error text) of one long request on an engine whose loop fails."""
+    res = []
+    for cls in (AsyncEngine, EngineProcessClient):
+        eng = cls(EngineConfig(model_path=path, async_token_handoff="on", **KW), fault_after_steps=after_steps)
+        try:
+            outs = list(eng.add_request("a", [5, 6, 7], greedy(400, ignore_eos=True)))
+            _wait(lambda: not eng.is_healthy(), 10)
+            with pytest.raises(RuntimeError) as late:
+                eng.add_request("c", [5], greedy(3))
+            res.append((outs, str(late.value)))
+        finally:
+            eng.shutdown(timeout=5)
+    return res
+
+
+def test_engine_death_like_the_in_process_engine(path):
+    (want, want_late), (got, got_late) = _fail_both(path, 12)
+    assert [(o.new_token_ids, o.finished, o.finish_reason, o.error) for o in got] == \
+        [(o.new_token_ids, o.finished, o.finish_reason, o.error) for o in want]
+    assert str(got[-1].finish_reason) == "error"
+    assert got[-1].error == "engine failed: RuntimeError('injected engine fault after 12 steps')"
+    assert got_late == want_late and "not healthy" in got_late
+
+
+def test_killed_core_fails_every_request(path):
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    try:
+        outs, got = [], threading.Event()
+
+        def cb(out):
+            outs.append(out)
+            got.set()
+
+        c.add_request("a", [5, 6, 7], greedy(500, ignore_eos=True), callback=cb)
+        stream = c.add_request("b", [8, 9], greedy(500, ignore_eos=True))
+        assert got.wait(60)
+        os.kill(c.pid, signal.SIGKILL)
+        toks, reason = stream.result()
+        assert str(reason) == "error"
+        _wait(lambda: outs and outs[-1].finished, 10)
+        msg = f"engine failed: EngineProcessDied('engine process (pid {c.pid}) was killed by SIGKILL')"
+        assert outs[-1].error == msg and str(outs[-1].finish_reason) == "error"
+        assert not c.is_healthy()
+        with pytest.raises(RuntimeError, match="not healthy"):
+            c.add_request("c", [5], greedy(3))
+        t0 = time.monotonic()
+        c.stats()  # the last stats seen, at once
+        assert time.monotonic() - t0 < 1
+    finally:
+        c.shutdown(timeout=5)
+    assert not _alive(c.pid)
+
+
+PARENT = textwrap.dedent("""
+    import os, sys, time
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from backend_lib import EngineConfig, EngineProcessClient, SamplingParams
+    c = EngineProcessClient(EngineConfig(model_path=sys.argv[1], max_model_len=512, num_kv_blocks=120))
+    c.add_request("x", [5, 6, 7], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True),
+                  callback=lambda out: None)
+    print(c.pid, flush=True)
+    sys.stdin.readline()
+    os._exit(0)   # no shutdown, no atexit
+""")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_core_dies_with_its_parent(path, how):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        core = int(parent.stdout.readline())
+        assert _alive(core)
+        if how == "sigkill":
+            parent.kill()
+        else:
+            parent.stdin.write(b"exit\n")
+            parent.stdin.flush()
+        parent.wait(30)
+        _wait(lambda: not _alive(core), 15)
+    finally:
+        parent.kill()
+        parent.wait(10)
