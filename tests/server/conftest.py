@@ -170,13 +170,14 @@ class SharedServer:
     Python stub fails the test it died in (at teardown) and the next test gets a fresh server,
     so one crash costs one failure instead of hanging every later test on a dead model."""
 
-    def __init__(self, tmp_dir: Path):
+    def __init__(self, tmp_dir: Path, **start_kw):
         self.tmp_dir = tmp_dir
+        self.start_kw = start_kw
         self.srv = self._start()
         self.crashes: list[str] = []
 
     def _start(self) -> Server:
-        srv = start_server(self.tmp_dir)
+        srv = start_server(self.tmp_dir, **self.start_kw)
         self.stub_pids = {p.pid: p.stub_model for p in procs.stubs(srv.proc.pid)}
         return srv
 
@@ -203,17 +204,44 @@ def shared_server(tmp_path_factory):
     assert not bad, shared.srv.log_tail(120)
 
 
-@pytest.fixture
-def server(shared_server):
-    why = shared_server.problem()
+def _checked(shared: SharedServer):
+    why = shared.problem()
     if why:  # broke between tests (e.g. in a module fixture): start over
-        shared_server.restart(why)
-    yield shared_server.srv
-    why = shared_server.problem()
+        shared.restart(why)
+    yield shared.srv
+    why = shared.problem()
     if why:
-        log_path = shared_server.srv.log_path
-        shared_server.restart(why)
+        log_path = shared.srv.log_path
+        shared.restart(why)
         pytest.fail(f"the shared server broke during this test: {why} (log: {log_path})")
+
+
+@pytest.fixture
+def server(request):
+    """The session's server. A test of the llm model alone runs on both engine modes with
+    `@pytest.mark.parametrize("server", ENGINE_MODES, indirect=True)`: "engine-process" is a
+    server whose llm runs its engine loop in a process of its own (engine_process=on)."""
+    mode = getattr(request, "param", "in-process")
+    yield from _checked(request.getfixturevalue("proc_shared_server" if mode == "engine-process"
+                                                else "shared_server"))
+
+
+# The llm model with its engine loop in a process of its own (engine_process=on), for the
+# tests of llm's own behaviour: only llm is loaded (a cheap start).
+ENGINE_PROCESS_ENV = {"LLM_PARAM_ENGINE_PROCESS": "on"}
+ENGINE_MODES = ("in-process", "engine-process")
+# a test of llm alone, on both: @BOTH_ENGINES
+BOTH_ENGINES = pytest.mark.parametrize("server", ENGINE_MODES, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def proc_shared_server(tmp_path_factory):
+    shared = SharedServer(tmp_path_factory.mktemp("triton-proc"), model_control="explicit", load_models=("llm",),
+                          wait_model="llm", extra_env=ENGINE_PROCESS_ENV)
+    yield shared
+    shared.srv.stop()
+    bad = [l for l in shared.srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
+    assert not bad, shared.srv.log_tail(120)
 
 
 @pytest.fixture(scope="session")

@@ -80,7 +80,12 @@ def assert_ready_and_serving(server, route):
     assert joined(out.get("text_output", "")) != "" or out.get("output_ids") not in (None, [])
 
 
-@pytest.mark.parametrize("route,name,body,needle", HTTP_CASES, ids=[f"{c[0]}-{c[1]}" for c in HTTP_CASES])
+# llm's cases also with its engine loop in a process of its own (validation stays in the stub)
+HTTP_RUNS = [c + ("in-process",) for c in HTTP_CASES] + [c + ("engine-process",) for c in HTTP_CASES if c[0] == "llm"]
+
+
+@pytest.mark.parametrize("route,name,body,needle,server", HTTP_RUNS, indirect=["server"],
+                         ids=[f"{c[0]}-{c[1]}-{c[4]}" for c in HTTP_RUNS])
 def test_bad_input_http(server, route, name, body, needle):
     status, text = http_post(server.http_url, f"/v2/models/{route}/generate", body, timeout=60)
     assert status == 400, (status, text)
@@ -98,7 +103,8 @@ def test_non_utf8_prompt(server):
         assert_ready_and_serving(server, route)
 
 
-@pytest.mark.parametrize("route", ["ensemble", "llm_bls", "llm"])
+@pytest.mark.parametrize("route,server", [("ensemble", "in-process"), ("llm_bls", "in-process"),
+                                          ("llm", "in-process"), ("llm", "engine-process")], indirect=["server"])
 def test_wrong_dtype_and_shape(server, route):
     base = {"text_input": "Hi"} if route != "llm" else {"input_ids": np.array([[1, 2]], dtype=np.int32)}
     cases = [

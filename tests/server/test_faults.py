@@ -29,7 +29,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from . import procs
-from .conftest import ACCESS_KEY, MODEL_DIR, ROOT, START_TIMEOUT_S, free_ports
+from .conftest import ACCESS_KEY, ENGINE_MODES, ENGINE_PROCESS_ENV, MODEL_DIR, ROOT, START_TIMEOUT_S, free_ports
 from .util import inputs_from, wait_for
 
 ROUTES = ("ensemble", "llm_bls", "vllm_model", "llm")
@@ -251,10 +251,13 @@ def start_streams(srv: Launched, per_route_grpc: int = 3) -> list:
     return streams
 
 
-def snapshot(srv: Launched) -> tuple[list[procs.Proc], set[str]]:
+def snapshot(srv: Launched, mode: str = "in-process") -> tuple[list[procs.Proc], set[str]]:
     members = srv.members()
     stubs = [p for p in members if p.is_stub]
     assert {p.stub_model for p in stubs} >= set(ROUTES) - {"ensemble"}, [p.argv[:2] for p in stubs]
+    # engine_process=on: llm's engine process is one of them (it too must be gone after the fault)
+    cores = [p for p in members if "backend_lib.engine_core" in p.argv]
+    assert len(cores) == (1 if mode == "engine-process" else 0), [p.argv[:3] for p in members]
     return members, {p.shm_region for p in stubs}
 
 
@@ -284,14 +287,18 @@ def assert_all_ended(streams: list, t0: float, bound: float):
 
 
 # ---- signals with streams in flight -----------------------------------------------------
-@pytest.mark.parametrize("how", ["sigint-tritonserver", "ctrl-c-group", "sigterm-launcher"])
-def test_signal_with_streams_in_flight(tmp_path, how):
-    srv = launch_server(tmp_path, via="make" if how == "ctrl-c-group" else "launcher")
+# Ctrl-C with engine_process=on: the SIGINT reaches llm's engine process too (it leaves the
+# shutdown to the stub, which still ends every stream)
+@pytest.mark.parametrize("how,mode", [("sigint-tritonserver", "in-process"), ("ctrl-c-group", "engine-process"),
+                                      ("sigterm-launcher", "in-process")])
+def test_signal_with_streams_in_flight(tmp_path, how, mode):
+    srv = launch_server(tmp_path, via="make" if how == "ctrl-c-group" else "launcher",
+                        extra_env=ENGINE_PROCESS_ENV if mode == "engine-process" else None)
     regions: set[str] = set()
     streams: list = []
     try:
         wait_ready(srv)
-        members, regions = snapshot(srv)
+        members, regions = snapshot(srv, mode)
         if how == "sigterm-launcher":
             check_hostile_http(srv)  # on this server: one start-up less for the suite
         streams = start_streams(srv)
@@ -317,18 +324,19 @@ def test_signal_with_streams_in_flight(tmp_path, how):
 
 
 # ---- the llm stub dies -------------------------------------------------------------------
-def test_llm_stub_killed_with_streams_in_flight(tmp_path):
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
     """tritonserver 2.51 never answers requests waiting on a dead stub and keeps the model
     ready. The BLS routes end theirs with an error naming the dead model (and drop a gauge);
     the launcher logs the death, ends the HTTP streams with that error and stops the server,
     so that the ensemble's and llm's gRPC clients are not left waiting either (their streams
     break when the server exits)."""
-    srv = launch_server(tmp_path)
+    srv = launch_server(tmp_path, extra_env=ENGINE_PROCESS_ENV if mode == "engine-process" else None)
     regions: set[str] = set()
     streams: list = []
     try:
         wait_ready(srv)
-        members, regions = snapshot(srv)
+        members, regions = snapshot(srv, mode)
         streams = start_streams(srv)
         llm_stub = next(p for p in members if p.stub_model == "llm")
         t0 = time.monotonic()

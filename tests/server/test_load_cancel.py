@@ -10,11 +10,13 @@ import pytest
 from backend_lib import SamplingParams
 from triton_glue.detokenizer import full_text
 
+from .conftest import BOTH_ENGINES
 from .util import StreamClient, http_post, wait_for
 
 N_STREAMS = 32
 
 
+@BOTH_ENGINES
 def test_32_concurrent_streams_complete_in_order(server, tokenizer, reference_engine):
     prompts = [tokenizer.encode(f"Request number {i}: tell me about {'abc'[i % 3]}") for i in range(N_STREAMS)]
     max_toks = [4 + (i % 9) for i in range(N_STREAMS)]
@@ -36,6 +38,7 @@ def test_32_concurrent_streams_complete_in_order(server, tokenizer, reference_en
         assert c.last("finish_reason")[0].decode() == str(ref.finish_reason)
 
 
+@BOTH_ENGINES
 def test_cancel_grpc_stream_frees_kv_blocks(server):
     assert wait_for(server.idle)
     aborted0 = server.metric("llm_requests_finished_total", reason="abort")
@@ -138,7 +141,8 @@ def test_bls_concurrent_streams(server, tokenizer, reference_engine):
         assert not c.errors and c.finals == 1 and "".join(c.texts()) == ref
 
 
-@pytest.mark.parametrize("route", ["llm", "vllm_model"])
+@pytest.mark.parametrize("route,server", [("llm", "in-process"), ("vllm_model", "in-process"),
+                                          ("llm", "engine-process")], indirect=["server"])
 def test_http_client_disconnect_cancels(server, route):
     """Closing the HTTP generate_stream connection cancels the request in the engine."""
     import socket

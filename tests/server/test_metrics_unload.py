@@ -1,16 +1,20 @@
 """Exact metrics; unload with streams in flight; restricted APIs."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 import urllib.request
 
 import numpy as np
 import pytest
 
-from .conftest import ACCESS_KEY, ROOT, start_server
+from . import procs
+from .conftest import ACCESS_KEY, BOTH_ENGINES, ENGINE_MODES, ENGINE_PROCESS_ENV, ROOT, start_server
 from .util import StreamClient, http_post, wait_for
 
 
+@BOTH_ENGINES
 def test_metrics_are_exact(server):
     assert wait_for(server.idle, 15)
     names = ["llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
@@ -53,6 +57,7 @@ def test_metrics_are_exact(server):
     assert server.metric("llm_kv_blocks_total") > 0
 
 
+@BOTH_ENGINES
 def test_prefix_cache_metrics(server):
     """The second request with the same 40-token prompt takes its 2 full blocks of 16 from
     the prefix cache (the last token is always computed), and answers the same."""
@@ -90,6 +95,7 @@ def _scrape(server, names: list[str]) -> dict[str, float]:
     return out
 
 
+@BOTH_ENGINES
 def test_vllm_kv_cache_usage_follows_the_engine(server):
     """vllm_backend's KV-usage gauge (and vLLM v1's name) = blocks held / blocks in the pool,
     non-zero while a request runs and 0 when idle; preemptions under vLLM's name too."""
@@ -124,8 +130,10 @@ def test_restricted_apis_need_the_key(server):
     assert status != 200
 
 
-def test_unload_with_streams_in_flight(tmp_path):
-    srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), wait_model="llm")
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_unload_with_streams_in_flight(tmp_path, mode):
+    srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), wait_model="llm",
+                       extra_env=ENGINE_PROCESS_ENV if mode == "engine-process" else None)
     try:
         sc = StreamClient(srv.grpc_url)
         got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int32), "max_tokens": 1900,
@@ -147,8 +155,15 @@ def test_unload_with_streams_in_flight(tmp_path):
         assert time.monotonic() - t0 < 30
         assert wait_for(lambda: urllib_status(f"http://{srv.http_url}/v2/models/llm/ready") != 200, 30)
         sc.close()
+        # 2.51 finalizes the model once its clients' streams are closed: the engine process ends with it
+        assert wait_for(lambda: not engine_cores(srv), 20), engine_cores(srv)
     finally:
         srv.stop()
+
+
+def engine_cores(srv) -> list:
+    """The engine processes (engine_process=on) among the server's processes."""
+    return [p for p in procs.group(srv.proc.pid) if "backend_lib.engine_core" in p.argv]
 
 
 def urllib_status(url):
@@ -161,30 +176,42 @@ def urllib_status(url):
         return -1
 
 
-def test_engine_death_fails_requests_fast(tmp_path):
-    """The engine thread dies (test hook), here with async_token_handoff=on: in-flight requests
-    get an error with FINAL, new requests fail fast instead of hanging, the health gauge drops
-    to 0; the async steps it ran were exported."""
+@pytest.mark.parametrize("mode,how", [("in-process", "fault"), ("engine-process", "fault"),
+                                      ("engine-process", "core-killed")])
+def test_engine_death_fails_requests_fast(tmp_path, mode, how):
+    """The engine loop dies (test hook; or its process is killed), here with
+    async_token_handoff=on: in-flight requests get an error with FINAL, new requests fail fast
+    instead of hanging, the health gauge drops to 0; the async steps it ran were exported."""
     import shutil
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "model_repository" / "llm", repo / "llm")
     cfg = repo / "llm" / "config.pbtxt"
     text = cfg.read_text().replace('key: "async_token_handoff" value: { string_value: "auto" }',
                                    'key: "async_token_handoff" value: { string_value: "on" }')
-    cfg.write_text(text + '\nparameters { key: "test_fault_after_steps" value: { string_value: "40" } }\n')
+    if how == "fault":
+        text += '\nparameters { key: "test_fault_after_steps" value: { string_value: "40" } }\n'
+    cfg.write_text(text)
     srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), model_repository=repo,
-                       wait_model="llm")
+                       wait_model="llm", extra_env=ENGINE_PROCESS_ENV if mode == "engine-process" else None)
     try:
         sc = StreamClient(srv.grpc_url)
         got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int32), "max_tokens": 1000,
                                "ignore_eos": True, "temperature": 0.0, "stream": True,
                                "exclude_input_in_output": True}, f"d{i}") for i in range(2)]
+        if how == "core-killed":
+            assert wait_for(lambda: all(len(c.responses) >= 2 for c in got), 60, 0.01)
+            time.sleep(0.5)  # a stats export with steps in it
+            (core,) = engine_cores(srv)
+            os.kill(core.pid, signal.SIGKILL)
         for c in got:
             assert c.done.wait(60), "in-flight request left hanging by engine death"
         time.sleep(0.1)
         for c in got:
             assert c.finals == 1 and len(c.errors) == 1 and "engine failed" in c.errors[0], c.errors
             assert 0 < len(sum(c.ids(), [])) < 1000
+            if how == "core-killed":
+                assert "engine process" in c.errors[0] and "was killed by SIGKILL" in c.errors[0], c.errors
+        assert wait_for(lambda: not engine_cores(srv), 10), engine_cores(srv)  # a failed core exits
         t0 = time.monotonic()
         status, text = http_post(srv.http_url, "/v2/models/llm/generate", {"input_ids": [1, 2], "max_tokens": 2},
                                  timeout=10)

@@ -9,6 +9,7 @@ import pytest
 from backend_lib import SamplingParams
 from triton_glue.detokenizer import full_text
 
+from .conftest import BOTH_ENGINES
 from .util import grpc_stream_one, http_post, http_stream_events, joined
 
 PROMPTS = ["Hello world", "The quick brown fox", "naïve café 😀 中文"]
@@ -41,6 +42,7 @@ def body_for(route: str, prompt: str, stream: bool, **extra) -> dict:
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
+@BOTH_ENGINES
 def test_llm_grpc_stream_token_identical(server, refs, prompt):
     ids, ref_tokens, ref_reason, _ = refs[prompt]
     c = grpc_stream_one(server.grpc_url, "llm", {
@@ -55,6 +57,7 @@ def test_llm_grpc_stream_token_identical(server, refs, prompt):
     assert [int(r.as_numpy("num_output_tokens").reshape(-1)[0]) for r in c.responses] == [len(x) for x in chunks]
 
 
+@BOTH_ENGINES
 def test_llm_prompt_included_by_default(server, refs):
     ids, ref_tokens, _, _ = refs[PROMPTS[0]]
     c = grpc_stream_one(server.grpc_url, "llm", {
@@ -64,6 +67,7 @@ def test_llm_prompt_included_by_default(server, refs):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
+@BOTH_ENGINES
 def test_llm_http_stream_token_identical(server, refs, prompt):
     ids, ref_tokens, ref_reason, _ = refs[prompt]
     events = http_stream_events(server.http_url, "llm", {

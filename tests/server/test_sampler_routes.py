@@ -11,6 +11,7 @@ import pytest
 from backend_lib import SamplingParams
 
 from .hf_reference import hf, hf_logprobs, hf_ranks, hf_top  # noqa: F401 - hf: a fixture
+from .conftest import BOTH_ENGINES
 from .util import grpc_stream_one, wait_for
 
 PROMPT = "The capital of France is"
@@ -44,6 +45,7 @@ def greedy_penalised(reference_engine, prompt_ids):
 
 # ---- the token-level model (TensorRT-LLM's tensorrt_llm tensors) ----------------------------
 @pytest.mark.parametrize("streaming", [True, False])
+@BOTH_ENGINES
 def test_llm_penalties_and_log_probs(server, hf, prompt_ids, greedy_penalised, streaming):
     c = grpc_stream_one(server.grpc_url, "llm", {
         "input_ids": np.array([prompt_ids], np.int32), "request_output_len": one(N, np.int32),
@@ -63,6 +65,7 @@ def test_llm_penalties_and_log_probs(server, hf, prompt_ids, greedy_penalised, s
     assert c.responses[-1].as_numpy("sequence_index") is None  # TensorRT-LLM: only with n > 1
 
 
+@BOTH_ENGINES
 def test_llm_num_return_sequences_seeded(server, reference_engine, prompt_ids):
     ref = engine_run(reference_engine, prompt_ids, temperature=1.0, seed=1234, n=4)
     seqs = [list(o.token_ids) for o in ref]

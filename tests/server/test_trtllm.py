@@ -14,6 +14,7 @@ from backend_lib import SamplingParams
 from triton_glue.detokenizer import full_text
 from triton_glue.trtllm import parse_word_list
 
+from .conftest import BOTH_ENGINES
 from .util import StreamClient, grpc_stream_one
 
 PROMPT = "The quick brown fox"
@@ -41,6 +42,7 @@ def greedy_of(reference_engine, ids, n=N, **kw):
     return list(reference_engine.generate([ids], SamplingParams(max_tokens=n, temperature=0.0, **kw))[0].token_ids)
 
 
+@BOTH_ENGINES
 def test_llm_streaming_speaks_tensorrt_llm_tensors_and_never_streams_the_prompt(server, ref):
     ids, gen = ref
     # inflight_batcher_llm_client.py's request: no sampling knobs but top_k=1/top_p=0 -> greedy
@@ -189,6 +191,7 @@ def test_unsupported_inputs_are_refused_by_name_neutral_ones_accepted(server, mo
     assert not c.errors and c.finals == 1
 
 
+@BOTH_ENGINES
 def test_tensorrt_llm_stop_request_ends_the_stream_with_that_id(server):
     sc = StreamClient(server.grpc_url)
     try:
