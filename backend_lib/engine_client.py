@@ -131,11 +131,12 @@ class EngineProcessClient:
             self._sinks[request_id] = (stream, callback)
         try:
             self._send([(wire.ADD, request_id, ids, params)])
+            sent = True
         except OSError:
-            with self._lock:
-                self._sinks.pop(request_id, None)
-            raise RuntimeError(f"engine is not healthy: {self.error!r}") from None
-        if not self.is_healthy():  # died while we registered: the fail-all may have run already
+            sent = False
+        if not sent or not self.is_healthy():
+            # Died meanwhile. Either the fail-all has already given this request its final
+            # (error) output, or it never will: then raise, and the caller answers it.
             with self._lock:
                 sink = self._sinks.pop(request_id, None)
             if sink is not None:

@@ -1,0 +1,138 @@
+"""The engine loop in process (AsyncEngine) vs in its own process (EngineProcessClient), with a
+sender that holds the GIL as Triton's Python stub does, without Triton.
+
+    python -m bench.engine_process [--device cpu|cuda] [--model DIR | --preset qwen2.5-0.5b]
+                                   [--concurrency 16,64] [--sender-us 300] [--output-len 64]
+
+A closed loop of C streams (greedy, ignore_eos): each callback holds the GIL for --sender-us
+(pure-Python work standing in for building pb_utils responses and response_sender.send, ~0.3 ms
+each in the stub) and a finished request is replaced at once. Per engine and C: output tok/s,
+TPOT p50 (callback clock), engine steps/s, and this process's CPU time per engine step (all its
+threads: with the engine process that is the reader and the callbacks only; the core's own CPU
+is reported beside it). Prints a markdown table; nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def _busy(us: float) -> None:
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:  # holds the GIL, as the stub's Python does
+        pass
+
+
+def _cpu_of(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick
+
+
+def run(engine_cls, cfg, conc: int, total: int, prompt_len: int, output_len: int, sender_us: float) -> dict:
+    from backend_lib import SamplingParams
+    eng = engine_cls(cfg, merge_queued_outputs=True)
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    lock = threading.Lock()
+    done = threading.Event()
+    state = {"sent": 0, "finished": 0, "tokens": 0}
+    first, last, ntok = {}, {}, {}
+
+    def submit() -> None:
+        with lock:
+            i = state["sent"]
+            if i >= total:
+                return
+            state["sent"] += 1
+        prompt = [4 + (i * 7 + k) % 500 for k in range(prompt_len)]
+        eng.add_request(f"r{i}", prompt, sp, callback=cb)
+
+    def cb(out) -> None:
+        _busy(sender_us)
+        now = time.perf_counter()
+        rid = out.request_id
+        if out.new_token_ids:
+            first.setdefault(rid, now)
+            last[rid] = now
+            ntok[rid] = ntok.get(rid, 0) + len(out.new_token_ids)
+        if out.finished:
+            with lock:
+                state["finished"] += 1
+                state["tokens"] += ntok.get(rid, 0)
+                fin = state["finished"]
+            if fin >= total:
+                done.set()
+            else:
+                submit()
+
+    try:
+        for _ in range(2):  # warm-up
+            list(eng.add_request(f"w{_}", [5, 6, 7], sp))
+        s0 = eng.stats()
+        steps0 = s0.sync_steps_total + s0.async_steps_total
+        cpu0, core0 = time.process_time(), (_cpu_of(eng.pid) if hasattr(eng, "pid") else 0.0)
+        t0 = time.perf_counter()
+        for _ in range(conc):
+            submit()
+        done.wait(600)
+        wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
+        core = (_cpu_of(eng.pid) - core0) if hasattr(eng, "pid") else None
+        s1 = eng.stats()
+        steps = s1.sync_steps_total + s1.async_steps_total - steps0
+    finally:
+        eng.shutdown()
+    tpots = [(last[r] - first[r]) / (ntok[r] - 1) for r in ntok if ntok[r] > 1]
+    return {"tok_s": state["tokens"] / wall, "tpot_ms": 1e3 * statistics.median(tpots),
+            "steps_s": steps / wall, "cpu_ms_step": 1e3 * cpu / max(steps, 1),
+            "core_cpu_ms_step": None if core is None else 1e3 * core / max(steps, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.engine_process", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(REPO_ROOT / "models" / "tiny-llama"))
+    ap.add_argument("--preset", help="qwen2.5-0.5b | llama-3-8b (dummy weights, bench/serve.py's presets)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--concurrency", default="16,64")
+    ap.add_argument("--requests-per-stream", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--sender-us", type=float, default=300.0)
+    a = ap.parse_args(argv)
+    from backend_lib import AsyncEngine, EngineConfig, EngineProcessClient
+    model, load_format = a.model, "safetensors"
+    if a.preset:
+        from bench.decode import write_preset_config
+        model, load_format = write_preset_config(a.preset, "/tmp/bench-models"), "dummy"
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    concs = [int(c) for c in a.concurrency.split(",")]
+    max_len = (a.prompt_len + a.output_len + 16 + 15) // 16 * 16
+    cfg = EngineConfig(model_path=model, device=a.device, dtype=dtype, load_format=load_format,
+                       max_num_seqs=max(concs), max_model_len=max_len,
+                       num_kv_blocks=max(concs) * (max_len // 16) + 16)
+    print(f"model {model} on {a.device}; sender holds the GIL {a.sender_us:g} us per callback; "
+          f"prompt {a.prompt_len}, output {a.output_len}, {a.requests_per_stream} requests per stream")
+    print("| engine | C | output tok/s | TPOT p50 ms | steps/s | this process CPU ms/step | core CPU ms/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for c in concs:
+        for name, cls in (("in-process AsyncEngine", AsyncEngine), ("engine process", EngineProcessClient)):
+            r = run(cls, cfg, c, c * a.requests_per_stream, a.prompt_len, a.output_len, a.sender_us)
+            core = "-" if r["core_cpu_ms_step"] is None else f"{r['core_cpu_ms_step']:.2f}"
+            print(f"| {name} | {c} | {r['tok_s']:.0f} | {r['tpot_ms']:.2f} | {r['steps_s']:.0f} | "
+                  f"{r['cpu_ms_step']:.2f} | {core} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
