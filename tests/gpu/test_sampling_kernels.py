@@ -134,10 +134,9 @@ def test_kernel_samples_the_filtered_softmax(small_scratch):
         assert torch.all((freq - probs).abs() <= 4.5 * sigma + 1e-12), (temp, k, p, mp, freq, probs)
 
 
-def test_penalty_kernel_equals_the_reference():
-    from backend_lib.layers import sampling_kernels
-    from backend_lib.layers.penalties import apply_penalties_reference
-    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+def _penalty_tables():
+    """Per-slot penalty state for ROWS rows drawn from ROWS + 3 slots; row 0 is a neutral slot
+    (its logits must come out bit-identical)."""
     slots_total = ROWS + 3
     counts = torch.randint(0, 3, (slots_total, VOCAB), dtype=torch.int32, device=DEVICE)
     counts *= torch.rand(slots_total, VOCAB, device=DEVICE) < 0.01
@@ -145,9 +144,17 @@ def test_penalty_kernel_equals_the_reference():
     rep = torch.rand(slots_total, device=DEVICE) + 0.5
     pres = torch.rand(slots_total, device=DEVICE) * 4 - 2
     freq = torch.rand(slots_total, device=DEVICE) * 4 - 2
-    rep[0], pres[0], freq[0] = 1.0, 0.0, 0.0   # a neutral slot: its row must stay bit-identical
+    rep[0], pres[0], freq[0] = 1.0, 0.0, 0.0
     slots = torch.randperm(slots_total, device=DEVICE)[:ROWS]
     slots[0] = 0
+    return slots, counts, prompt, rep, pres, freq
+
+
+def test_penalty_kernel_equals_the_reference():
+    from backend_lib.layers import sampling_kernels
+    from backend_lib.layers.penalties import apply_penalties_reference
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    slots, counts, prompt, rep, pres, freq = _penalty_tables()
     logits = torch.randn(ROWS, VOCAB, device=DEVICE) * 3
     logits[:, 5] = float("-inf")
     want = apply_penalties_reference(logits.clone(), counts[slots], prompt[slots], rep[slots], pres[slots], freq[slots])
@@ -415,16 +422,7 @@ def test_penalty_upcast_pass_equals_upcast_then_in_place():
     .float() followed by the in-place penalty kernel, bit for bit."""
     from backend_lib.layers import sampling_kernels
     seed_from_env("SAMPLING_KERNELS_TEST_SEED")
-    slots_total = ROWS + 3
-    counts = torch.randint(0, 3, (slots_total, VOCAB), dtype=torch.int32, device=DEVICE)
-    counts *= torch.rand(slots_total, VOCAB, device=DEVICE) < 0.01
-    prompt = torch.rand(slots_total, VOCAB, device=DEVICE) < 0.01
-    rep = torch.rand(slots_total, device=DEVICE) + 0.5
-    pres = torch.rand(slots_total, device=DEVICE) * 4 - 2
-    freq = torch.rand(slots_total, device=DEVICE) * 4 - 2
-    rep[0], pres[0], freq[0] = 1.0, 0.0, 0.0
-    slots = torch.randperm(slots_total, device=DEVICE)[:ROWS]
-    slots[0] = 0
+    slots, counts, prompt, rep, pres, freq = _penalty_tables()
     native = (torch.randn(ROWS, VOCAB, device=DEVICE) * 3).to(torch.bfloat16)
     native[:, 5] = float("-inf")
     out = torch.full((ROWS, VOCAB), float("nan"), device=DEVICE)
