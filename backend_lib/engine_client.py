@@ -64,6 +64,11 @@ class EngineProcessClient:
         self._last_stats = EngineStats()
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
+        # The core shares the machine's cores with this process's sender. Spinning OpenMP
+        # workers (Intel OpenMP spins 200 ms after each parallel region) starve it: on 2 cores
+        # a CPU engine streamed 50x slower through Triton than with passive workers (sleeping
+        # at once). The user's own setting wins.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                                   if p and p != _PACKAGE_PARENT])
         try:
