@@ -164,8 +164,8 @@ class EngineProcessClient:
     def stats(self) -> EngineStats:
         """The core's stats, fresh (a round trip, behind the outputs already sent); the last
         ones seen when the core is gone or does not answer within STATS_TIMEOUT_S."""
-        if not self.is_healthy():
-            return self._last_stats
+        if not self.is_healthy() or threading.current_thread() is self._reader:
+            return self._last_stats  # (a callback asking would wait for its own thread's reply)
         seq = next(self._stats_seq)
         slot = [threading.Event(), None]
         with self._lock:

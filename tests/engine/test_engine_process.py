@@ -185,11 +185,16 @@ def test_merged_outputs_behind_a_slow_callback(path, generate_reference):
     c = EngineProcessClient(EngineConfig(model_path=path, **KW), merge_queued_outputs=True)
     calls: dict[str, list] = {}
     lock = threading.Lock()
+    # Callbacks run one after another: half a step each makes a pass over the ~16 running
+    # requests several steps long (merged tokens), however fast this machine is.
+    list(c.add_request("warm", [5, 6, 7], greedy(24, ignore_eos=True)))
+    st = c.stats()
+    step_s = st.step_time_s / max(1, st.sync_steps_total + st.async_steps_total)
 
     def cb(out):
         with lock:
             calls.setdefault(out.request_id, []).append(out)
-        time.sleep(0.002)
+        time.sleep(max(0.001, 0.5 * step_s))
 
     try:
         for i, (p, sp) in enumerate(zip(prompts, params)):
