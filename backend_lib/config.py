@@ -37,7 +37,7 @@ class EngineConfig:
     async_token_handoff: str = "auto"       # auto | on | off
     enable_cuda_graph: bool = True
     cuda_graph_max_batch: int = 256         # largest captured decode bucket
-    cuda_graph_mixed: bool = False          # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py)
+    cuda_graph_mixed: bool = True           # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py; with enable_cuda_graph)
     cuda_graph_mixed_tokens: str = ""       # their token buckets, e.g. "64,256,1024"; "": mixed_graphs.default_token_buckets
     pipeline_parallel_size: int = 1
     max_stop_token_ids: int = 16            # per-request device-side stop-id table width
@@ -74,8 +74,6 @@ class EngineConfig:
                 fail(name, "must be a boolean")
         if self.num_kv_blocks and self.num_kv_blocks < 2:
             fail("num_kv_blocks", "must be 0 (auto) or >= 2")
-        if self.cuda_graph_mixed and not self.enable_cuda_graph:
-            fail("cuda_graph_mixed", "needs enable_cuda_graph=true (mixed steps are captured beside decode steps)")
         if not isinstance(self.cuda_graph_mixed_tokens, str):
             fail("cuda_graph_mixed_tokens", "must be a comma list of token counts (a string)")
         from .mixed_graphs import parse_token_buckets

@@ -35,8 +35,7 @@ def test_token_buckets_default_list_and_errors():
             parse_token_buckets(bad, 2048)
     with pytest.raises(ValueError, match=r"cuda_graph_mixed_tokens.*max_num_batched_tokens \(2048\)"):
         EngineConfig(cuda_graph_mixed_tokens="4096")
-    with pytest.raises(ValueError, match="cuda_graph_mixed: needs enable_cuda_graph=true"):
-        EngineConfig(cuda_graph_mixed=True, enable_cuda_graph=False)
+    assert EngineConfig().cuda_graph_mixed is True  # the default: with CUDA graphs, mixed steps too
     assert EngineConfig.from_parameters({"cuda_graph_mixed": "true", "cuda_graph_mixed_tokens": "64,128",
                                          "max_num_batched_tokens": "128"}).cuda_graph_mixed is True
 
