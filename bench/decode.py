@@ -60,6 +60,7 @@ import os
 import platform
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -136,6 +137,14 @@ def write_preset_config(preset: str, root: str) -> str:
     mm._add_legacy_rope_keys(out / "config.json", arch["rope_theta"], arch.get("rope_scaling"))
     GenerationConfig(bos_token_id=mm.BOS_ID, eos_token_id=mm.EOS_ID, pad_token_id=mm.PAD_ID).save_pretrained(str(out))
     return str(out)
+
+
+def model_kwargs(preset: Optional[str], model: Optional[str]) -> dict:
+    """EngineConfig's model_path (and load_format): random weights of a preset's shape, a local
+    checkpoint, or models/tiny-llama."""
+    if preset:
+        return dict(model_path=write_preset_config(preset, tempfile.mkdtemp()), load_format="dummy")
+    return dict(model_path=model or str(REPO_ROOT / "models" / "tiny-llama"))
 
 
 def resolve_models(args) -> list[ModelSpec]:

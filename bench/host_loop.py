@@ -107,11 +107,8 @@ def build_engine(args):
               async_token_handoff=args.async_handoff)
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = 0.5
-    if args.preset:
-        from bench.decode import write_preset_config
-        kw.update(model_path=write_preset_config(args.preset, tempfile.mkdtemp()), load_format="dummy")
-    else:
-        kw["model_path"] = args.model or str(REPO_ROOT / "models" / "tiny-llama")
+    from bench.decode import model_kwargs
+    kw.update(model_kwargs(args.preset, args.model))
     if args.device == "cpu":
         kw["num_kv_blocks"] = max(args.batches) * ((args.prompt_len + 16 + args.warmup + args.steps + 8) // 16 + 2) + 8
     eng = LLMEngine(EngineConfig(**kw))

@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_engine(args, mixed_graphs: bool = False):
@@ -47,11 +45,8 @@ def build_engine(args, mixed_graphs: bool = False):
               async_token_handoff="off", enable_prefix_caching=False, cuda_graph_mixed=mixed_graphs)
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = 0.5
-    if args.preset:
-        from bench.decode import write_preset_config
-        kw.update(model_path=write_preset_config(args.preset, tempfile.mkdtemp()), load_format="dummy")
-    else:
-        kw["model_path"] = args.model or str(REPO_ROOT / "models" / "tiny-llama")
+    from bench.decode import model_kwargs
+    kw.update(model_kwargs(args.preset, args.model))
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(**kw))
     if mixed_graphs and args.device == "cpu":
