@@ -21,3 +21,16 @@ def test_switch_interval_defaults_to_python_s_own():
     cfg = {"parameters": {"gil_switch_interval_ms": {"string_value": "0.25"}}}
     assert glue_parameter(cfg, "gil_switch_interval_ms") == "0.25"
     assert glue_parameter({"parameters": {}}, "gil_switch_interval_ms") == ""
+
+
+@pytest.mark.parametrize("raw,on", [("on", True), ("off", False), (" ON ", True)])
+def test_engine_process_on_off(raw, on):
+    from triton_glue.config import engine_process
+    assert engine_process({"parameters": {"engine_process": {"string_value": raw}}}) is on
+
+
+def test_engine_process_defaults_off_and_rejects_other_values_by_name():
+    from triton_glue.config import engine_process
+    assert GLUE_PARAMETERS["engine_process"] == "off" and engine_process({"parameters": {}}) is False
+    with pytest.raises(ValueError, match=r"^parameter 'engine_process' must be 'on' or 'off', not 'true'$"):
+        engine_process({"parameters": {"engine_process": {"string_value": "true"}}})
