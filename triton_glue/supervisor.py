@@ -16,7 +16,8 @@ So the supervisor
   - forwards the first SIGINT/SIGTERM/SIGHUP to tritonserver, kills its whole process group
     if it has not exited `grace_s` after its exit timeout (a second signal kills at once);
   - watches the stubs: one that dies while the server runs makes the server unusable (see
-    above), so it is logged and the server is stopped the same bounded way (exit status 1);
+    above), so it is logged and, `stub_death_grace_s` later (the BLS routes end their streams
+    with the error meanwhile), the server is stopped the same bounded way (exit status 1);
   - after tritonserver exits, kills what is left of its group, reaps the orphans and removes
     the /dev/shm regions of every stub it saw (the region name is the stub's 2nd argument).
 """
@@ -127,6 +128,10 @@ class Supervisor:
     exit_timeout_s: int
     grace_s: float = 2.0        # after the exit timeout, before the process group is killed
     stub_grace_s: float = 1.0   # after tritonserver exited, before its leftover stubs are killed
+    # After a stub died, before the server is stopped: the BLS routes check their upstream's
+    # stub every second and end their streams with an error naming it; a server already
+    # stopping would break those gRPC streams first ("Socket closed", no reason given).
+    stub_death_grace_s: float = 3.0
     poll_s: float = 0.5
     on_stop: Optional[Callable[[], None]] = None   # e.g. close the HTTP front
     on_stub_death: Optional[Callable[[str], None]] = None  # e.g. end the HTTP front's streams
@@ -141,6 +146,7 @@ class Supervisor:
     _kill_at: Optional[float] = None
     _stop_reason: Optional[str] = None
     _stub_died: Optional[StubInfo] = None
+    _stop_at: Optional[float] = None   # a stop decided, due at this time (stub_death_grace_s)
 
     def run(self) -> int:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -157,6 +163,7 @@ class Supervisor:
                     state = self.server_state() if self._stop_reason is None else "stopping"
                     self._watch_server(state)
                     self._watch_stubs(state)
+                    self._stop_if_due()
                     if self._kill_at is not None and time.monotonic() >= self._kill_at:
                         log(f"tritonserver did not exit within {self.exit_timeout_s + self.grace_s:.0f} s "
                             f"of {self._stop_reason}: killing its process group")
@@ -240,7 +247,12 @@ class Supervisor:
             log(f"error: {message}")
             if self.on_stub_death is not None:
                 self.on_stub_death(f"{message}: the server is stopping")
-            self.stop(f"stub of '{info.model}' died")
+            self._stop_at = time.monotonic() + self.stub_death_grace_s
+
+    def _stop_if_due(self) -> None:
+        if self._stop_at is not None and time.monotonic() >= self._stop_at:
+            self._stop_at = None
+            self.stop(f"stub of '{self._stub_died.model}' died")
 
     def _cleanup(self) -> None:
         """After tritonserver exited: its stubs get a moment to exit on their own (they notice

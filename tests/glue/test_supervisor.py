@@ -145,4 +145,9 @@ def test_an_instance_stub_dead_before_the_first_ready_poll_is_a_death(monkeypatc
     s._watch_stubs("ready")         # the first poll that sees the server ready
     assert s._stub_died is not None and s._stub_died.pid == 12 and s._stub_died.model == "llm"
     assert len(deaths) == 1 and "'llm' (pid 12) died" in deaths[0]
+    # the stop waits stub_death_grace_s, so the BLS routes end their streams with the error first
+    s._stop_if_due()
+    assert s._stop_reason is None and s._stop_at is not None
+    s._stop_at = time.monotonic() - 0.01
+    s._stop_if_due()
     assert s._stop_reason == "stub of 'llm' died"
