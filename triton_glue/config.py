@@ -47,7 +47,7 @@ GLUE_PARAMETERS = {
     # "on": the engine loop runs in a process of its own (backend_lib.engine_client), so this
     # process's threads (the response sender, Triton's) never hold the GIL it needs; "off": a
     # thread of this process (backend_lib.AsyncEngine)
-    "engine_process": "off",
+    "engine_process": "on",
 }
 
 

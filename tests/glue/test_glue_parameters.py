@@ -29,8 +29,8 @@ def test_engine_process_on_off(raw, on):
     assert engine_process({"parameters": {"engine_process": {"string_value": raw}}}) is on
 
 
-def test_engine_process_defaults_off_and_rejects_other_values_by_name():
+def test_engine_process_defaults_on_and_rejects_other_values_by_name():
     from triton_glue.config import engine_process
-    assert GLUE_PARAMETERS["engine_process"] == "off" and engine_process({"parameters": {}}) is False
+    assert GLUE_PARAMETERS["engine_process"] == "on" and engine_process({"parameters": {}}) is True
     with pytest.raises(ValueError, match=r"^parameter 'engine_process' must be 'on' or 'off', not 'true'$"):
         engine_process({"parameters": {"engine_process": {"string_value": "true"}}})

@@ -219,25 +219,34 @@ def _checked(shared: SharedServer):
 @pytest.fixture
 def server(request):
     """The session's server. A test of the llm model alone runs on both engine modes with
-    `@pytest.mark.parametrize("server", ENGINE_MODES, indirect=True)`: "engine-process" is a
-    server whose llm runs its engine loop in a process of its own (engine_process=on)."""
-    mode = getattr(request, "param", "in-process")
-    yield from _checked(request.getfixturevalue("proc_shared_server" if mode == "engine-process"
+    `@pytest.mark.parametrize("server", ENGINE_MODES, indirect=True)`: "engine-process" is the
+    shared server (engine_process=on, the default), "in-process" a server of llm alone with
+    engine_process=off."""
+    mode = getattr(request, "param", None)
+    yield from _checked(request.getfixturevalue("inproc_shared_server" if mode == "in-process"
                                                 else "shared_server"))
 
 
-# The llm model with its engine loop in a process of its own (engine_process=on), for the
-# tests of llm's own behaviour: only llm is loaded (a cheap start).
-ENGINE_PROCESS_ENV = {"LLM_PARAM_ENGINE_PROCESS": "on"}
+# The llm model's two engine modes (engine_process on, the shipped default: the engine loop in
+# a process of its own; off: a thread of the stub's process), as the environment override that
+# selects each whatever the default.
 ENGINE_MODES = ("in-process", "engine-process")
+
+
+def engine_env(mode: str) -> dict:
+    return {"LLM_PARAM_ENGINE_PROCESS": "on" if mode == "engine-process" else "off"}
+
+
 # a test of llm alone, on both: @BOTH_ENGINES
 BOTH_ENGINES = pytest.mark.parametrize("server", ENGINE_MODES, indirect=True)
 
 
 @pytest.fixture(scope="session")
-def proc_shared_server(tmp_path_factory):
-    shared = SharedServer(tmp_path_factory.mktemp("triton-proc"), model_control="explicit", load_models=("llm",),
-                          wait_model="llm", extra_env=ENGINE_PROCESS_ENV)
+def inproc_shared_server(tmp_path_factory):
+    """llm alone (a cheap start) with its engine in the stub's process, for the tests of llm's
+    own behaviour on the other engine mode."""
+    shared = SharedServer(tmp_path_factory.mktemp("triton-inproc"), model_control="explicit", load_models=("llm",),
+                          wait_model="llm", extra_env=engine_env("in-process"))
     yield shared
     shared.srv.stop()
     bad = [l for l in shared.srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]

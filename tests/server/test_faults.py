@@ -29,7 +29,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from . import procs
-from .conftest import ACCESS_KEY, ENGINE_MODES, ENGINE_PROCESS_ENV, MODEL_DIR, ROOT, START_TIMEOUT_S, free_ports
+from .conftest import ACCESS_KEY, engine_env, ENGINE_MODES, MODEL_DIR, ROOT, START_TIMEOUT_S, free_ports
 from .util import inputs_from, wait_for
 
 ROUTES = ("ensemble", "llm_bls", "vllm_model", "llm")
@@ -293,7 +293,7 @@ def assert_all_ended(streams: list, t0: float, bound: float):
                                       ("sigterm-launcher", "in-process")])
 def test_signal_with_streams_in_flight(tmp_path, how, mode):
     srv = launch_server(tmp_path, via="make" if how == "ctrl-c-group" else "launcher",
-                        extra_env=ENGINE_PROCESS_ENV if mode == "engine-process" else None)
+                        extra_env=engine_env(mode))
     regions: set[str] = set()
     streams: list = []
     try:
@@ -331,7 +331,7 @@ def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
     the launcher logs the death, ends the HTTP streams with that error and stops the server,
     so that the ensemble's and llm's gRPC clients are not left waiting either (their streams
     break when the server exits)."""
-    srv = launch_server(tmp_path, extra_env=ENGINE_PROCESS_ENV if mode == "engine-process" else None)
+    srv = launch_server(tmp_path, extra_env=engine_env(mode))
     regions: set[str] = set()
     streams: list = []
     try:

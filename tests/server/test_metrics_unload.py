@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from . import procs
-from .conftest import ACCESS_KEY, BOTH_ENGINES, ENGINE_MODES, ENGINE_PROCESS_ENV, ROOT, start_server
+from .conftest import ACCESS_KEY, engine_env, BOTH_ENGINES, ENGINE_MODES, ROOT, start_server
 from .util import StreamClient, http_post, wait_for
 
 
@@ -133,7 +133,7 @@ def test_restricted_apis_need_the_key(server):
 @pytest.mark.parametrize("mode", ENGINE_MODES)
 def test_unload_with_streams_in_flight(tmp_path, mode):
     srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), wait_model="llm",
-                       extra_env=ENGINE_PROCESS_ENV if mode == "engine-process" else None)
+                       extra_env=engine_env(mode))
     try:
         sc = StreamClient(srv.grpc_url)
         got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int32), "max_tokens": 1900,
@@ -192,7 +192,7 @@ def test_engine_death_fails_requests_fast(tmp_path, mode, how):
         text += '\nparameters { key: "test_fault_after_steps" value: { string_value: "40" } }\n'
     cfg.write_text(text)
     srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), model_repository=repo,
-                       wait_model="llm", extra_env=ENGINE_PROCESS_ENV if mode == "engine-process" else None)
+                       wait_model="llm", extra_env=engine_env(mode))
     try:
         sc = StreamClient(srv.grpc_url)
         got = [sc.send("llm", {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int32), "max_tokens": 1000,
