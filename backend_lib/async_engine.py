@@ -71,7 +71,42 @@ class _FailAll:
     error: Optional[str]
 
 
-class AsyncEngine:
+class OutputSinks:
+    """Delivery to each request's sink (a RequestStream, or a callback): the part AsyncEngine
+    and engine_client.EngineProcessClient share. Subclasses own `_sinks` {request id: (stream,
+    callback)} and `_lock`."""
+    _sinks: dict
+    _lock: threading.Lock
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+        if sink is None:
+            return
+        stream, callback = sink
+        if callback is None:
+            stream._put(out)
+            return
+        try:
+            callback(out)
+        except Exception:  # a broken sink must not stop other requests' delivery
+            logger.exception("output callback failed for request %s", out.request_id)
+
+    def _fail_all(self, reason: FinishReason, error: Optional[str]) -> None:
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        for rid, (stream, callback) in sinks.items():
+            out = RequestOutput(rid, [], True, reason, error=error)
+            if callback is None:
+                stream._put(out)
+            else:
+                try:
+                    callback(out)
+                except Exception:
+                    logger.exception("output callback failed for request %s", rid)
+
+
+class AsyncEngine(OutputSinks):
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False,
                  fault_after_steps: int = 0):
         """merge_queued_outputs: when the callbacks fall behind the engine loop, each dispatch
@@ -257,33 +292,6 @@ class AsyncEngine:
                 break
             steps.append(nxt)
         return merge_steps(steps), stop_at
-
-    def _deliver(self, out: RequestOutput) -> None:
-        with self._lock:
-            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
-        if sink is None:
-            return
-        stream, callback = sink
-        if callback is None:
-            stream._put(out)
-            return
-        try:
-            callback(out)
-        except Exception:  # a broken sink must not stop other requests' delivery
-            logger.exception("output callback failed for request %s", out.request_id)
-
-    def _fail_all(self, reason: FinishReason, error: Optional[str]) -> None:
-        with self._lock:
-            sinks, self._sinks = self._sinks, {}
-        for rid, (stream, callback) in sinks.items():
-            out = RequestOutput(rid, [], True, reason, error=error)
-            if callback is None:
-                stream._put(out)
-            else:
-                try:
-                    callback(out)
-                except Exception:
-                    logger.exception("output callback failed for request %s", rid)
 
 
 def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:

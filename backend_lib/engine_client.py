@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import engine_wire as wire
-from .async_engine import Callback, RequestStream, merge_steps
+from .async_engine import Callback, OutputSinks, RequestStream, merge_steps
 from .config import EngineConfig
 from .engine import EngineStats
 from .interpreter import python_executable
@@ -46,7 +46,7 @@ STATS_TIMEOUT_S = 2.0   # a stats() call waits this long for the core's reply, t
 MAX_MESSAGES_PER_PASS = 64
 
 
-class EngineProcessClient:
+class EngineProcessClient(OutputSinks):
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False,
                  fault_after_steps: int = 0):
         """merge_queued_outputs: as AsyncEngine's. fault_after_steps: test hook, the core's
@@ -280,33 +280,6 @@ class EngineProcessClient:
         else:
             self._fail_all(FinishReason.ABORT, None)
         _kill(self._proc)  # a core that closed its socket but lingers
-
-    def _deliver(self, out: RequestOutput) -> None:
-        with self._lock:
-            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
-        if sink is None:
-            return
-        stream, callback = sink
-        if callback is None:
-            stream._put(out)
-            return
-        try:
-            callback(out)
-        except Exception:  # a broken sink must not stop other requests' delivery
-            logger.exception("output callback failed for request %s", out.request_id)
-
-    def _fail_all(self, reason: FinishReason, error: Optional[str]) -> None:
-        with self._lock:
-            sinks, self._sinks = self._sinks, {}
-        for rid, (stream, callback) in sinks.items():
-            out = RequestOutput(rid, [], True, reason, error=error)
-            if callback is None:
-                stream._put(out)
-            else:
-                try:
-                    callback(out)
-                except Exception:
-                    logger.exception("output callback failed for request %s", rid)
 
 
 def _exit_text(code: Optional[int]) -> str:
