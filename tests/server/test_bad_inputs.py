@@ -81,7 +81,7 @@ def assert_ready_and_serving(server, route):
 
 
 # llm's cases also with its engine loop in a process of its own (validation stays in the stub)
-HTTP_RUNS = [c + ("in-process",) for c in HTTP_CASES] + [c + ("engine-process",) for c in HTTP_CASES if c[0] == "llm"]
+HTTP_RUNS = [c + ("engine-process",) for c in HTTP_CASES] + [c + ("in-process",) for c in HTTP_CASES if c[0] == "llm"]
 
 
 @pytest.mark.parametrize("route,name,body,needle,server", HTTP_RUNS, indirect=["server"],
@@ -103,8 +103,8 @@ def test_non_utf8_prompt(server):
         assert_ready_and_serving(server, route)
 
 
-@pytest.mark.parametrize("route,server", [("ensemble", "in-process"), ("llm_bls", "in-process"),
-                                          ("llm", "in-process"), ("llm", "engine-process")], indirect=["server"])
+@pytest.mark.parametrize("route,server", [("ensemble", "engine-process"), ("llm_bls", "engine-process"),
+                                          ("llm", "engine-process"), ("llm", "in-process")], indirect=["server"])
 def test_wrong_dtype_and_shape(server, route):
     base = {"text_input": "Hi"} if route != "llm" else {"input_ids": np.array([[1, 2]], dtype=np.int32)}
     cases = [

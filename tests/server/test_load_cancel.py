@@ -141,8 +141,8 @@ def test_bls_concurrent_streams(server, tokenizer, reference_engine):
         assert not c.errors and c.finals == 1 and "".join(c.texts()) == ref
 
 
-@pytest.mark.parametrize("route,server", [("llm", "in-process"), ("vllm_model", "in-process"),
-                                          ("llm", "engine-process")], indirect=["server"])
+@pytest.mark.parametrize("route,server", [("llm", "engine-process"), ("vllm_model", "engine-process"),
+                                          ("llm", "in-process")], indirect=["server"])
 def test_http_client_disconnect_cancels(server, route):
     """Closing the HTTP generate_stream connection cancels the request in the engine."""
     import socket
