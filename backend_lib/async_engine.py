@@ -296,7 +296,9 @@ class AsyncEngine(OutputSinks):
 
 def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
     """Several steps' outputs as one output per request (first-seen order; tokens concatenated;
-    state from its latest output; nothing after a request's final output)."""
+    state from its latest output; nothing after a request's final output). A sequence's first
+    output (its first tokens) is never merged with later ones: it goes out alone, first, so a
+    backlog never delays the first token (time to first token stays the engine's)."""
     if len(steps) == 1:
         return steps[0]
     # Keyed by (request id, sequence index): n > 1 sequences share the request id.
@@ -304,11 +306,16 @@ def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
     tokens: dict[tuple[str, int], list[int]] = {}
     logprobs: dict[tuple[str, int], list] = {}
     done: set[str] = set()
+    firsts: list[RequestOutput] = []
     for step in steps:
         for out in step:
             if out.request_id in done:
                 continue  # nothing after a request's final output
             key = (out.request_id, out.index)
+            if (key not in latest and not out.finished and out.new_token_ids
+                    and out.num_output_tokens == len(out.new_token_ids)):
+                firsts.append(out)
+                continue
             latest[key] = out
             tokens.setdefault(key, []).extend(out.new_token_ids)
             if out.new_logprobs is not None:
@@ -319,4 +326,4 @@ def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
               for k, o in latest.items()]
     # A request's final output goes after its other sequences' (delivery ends the stream).
     merged.sort(key=lambda o: o.finished)
-    return merged
+    return firsts + merged

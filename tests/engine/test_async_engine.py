@@ -273,3 +273,25 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference):
             with_tokens = [o for o in outs if o.new_token_ids]
             assert 2 <= len(with_tokens) < len(toks), (i, [len(o.new_token_ids) for o in outs])
     assert long_ones >= 3
+
+
+def test_merge_steps_never_holds_a_first_token_back():
+    """A backlog of steps merges into one output per sequence, except each sequence's first
+    output, which goes out alone and first (its time to first token is the engine's)."""
+    from backend_lib.async_engine import merge_steps
+    from backend_lib.request import FinishReason, RequestOutput
+
+    def out(rid, toks, total, finished=False, index=0):
+        return RequestOutput(rid, toks, finished, FinishReason.LENGTH if finished else None,
+                             num_prompt_tokens=3, num_output_tokens=total, index=index)
+
+    steps = [[out("a", [1], 1), out("b", [7], 5)],
+             [out("a", [2], 2), out("b", [8], 6), out("c", [4], 1, index=1)],
+             [out("a", [3], 3, finished=True), out("c", [5], 2, index=1)]]
+    got = [(o.request_id, o.index, o.new_token_ids, o.finished) for o in merge_steps(steps)]
+    assert got == [("a", 0, [1], False), ("c", 1, [4], False),      # first outputs, alone
+                   ("b", 0, [7, 8], False), ("c", 1, [5], False),   # later ones merged
+                   ("a", 0, [2, 3], True)]                          # finals last
+    # a request whose first output is also its final one is not split
+    one = merge_steps([[out("d", [9], 1, finished=True)], [out("e", [1], 1)]])
+    assert [(o.request_id, o.new_token_ids) for o in one] == [("e", [1]), ("d", [9])]
