@@ -85,10 +85,26 @@ class EagerGraph:
 
 
 @dataclass
-class _Graph:
+class CapturedGraph:
     graph: Any            # torch.cuda.CUDAGraph or EagerGraph
-    meta: DecodeMeta      # static input
-    out: torch.Tensor     # static output: [B] sampled ids, or [B, C] ids + logprobs
+    meta: Any             # static input (DecodeMeta, mixed_graphs.MixedMeta)
+    out: torch.Tensor     # static output: [rows] sampled ids, or [rows, C] ids + logprobs
+
+
+def capture_graph(program: Callable[[], torch.Tensor], meta: Any, out_shape: tuple, device: torch.device,
+                  stand_in: bool, pool: Any = None, capture_error_mode: str = "global") -> CapturedGraph:
+    """`program()` on the static buffers of `meta` as a CUDA graph (after two eager runs:
+    they compile the Triton kernels and settle allocations), or as its EagerGraph stand-in."""
+    if stand_in:
+        out = torch.zeros(out_shape, dtype=torch.int64, device=device)
+        return CapturedGraph(EagerGraph(program, out), meta, out)
+    for _ in range(2):
+        program()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+        out = program()
+    return CapturedGraph(graph, meta, out)
 
 
 # program(meta, all_greedy, use_masks, logprobs) -> sampled ids [B] (or [B, C] with logprobs).
@@ -109,7 +125,7 @@ class DecodeGraphs:
         self.device = device
         self.buckets = buckets
         self.stand_in = stand_in
-        self.graphs: dict[tuple[int, tuple[bool, bool, bool]], _Graph] = {}
+        self.graphs: dict[tuple[int, tuple[bool, bool, bool]], CapturedGraph] = {}
         # Key (bucket, variant, slots) of the graph whose saved metadata the next step may
         # reuse by advancing positions; None when the last step was anything else.
         self._reusable: Optional[tuple] = None
@@ -163,18 +179,11 @@ class DecodeGraphs:
         for b in sorted(self.buckets, reverse=True):
             for variant in GRAPH_VARIANTS:
                 meta = DecodeMeta.empty(b, self.device)
-                if self.stand_in:
-                    out = torch.zeros(self._out_shape(b, variant), dtype=torch.int64, device=self.device)
-                    graph: Any = EagerGraph(lambda m=meta, v=variant: self._program(m, *v), out)
-                else:
-                    for _ in range(2):  # warm up: compiles Triton kernels, settles allocations
-                        self._program(meta, *variant)
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = self._program(meta, *variant)
-                    pool = graph.pool()
-                self.graphs[(b, variant)] = _Graph(graph, meta, out)
+                g = capture_graph(lambda m=meta, v=variant: self._program(m, *v), meta, self._out_shape(b, variant),
+                                  self.device, self.stand_in, pool)
+                if not self.stand_in:
+                    pool = g.graph.pool()
+                self.graphs[(b, variant)] = g
         if not self.stand_in:
             torch.cuda.synchronize()
         logger.info("captured %d %sdecode graphs for buckets %s", len(self.graphs),

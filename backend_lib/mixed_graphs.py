@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .decode_graphs import GRAPH_VARIANTS, EagerGraph, graph_variant
+from .decode_graphs import GRAPH_VARIANTS, CapturedGraph, capture_graph, graph_variant
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +132,6 @@ class MixedMeta:
         return flat
 
 
-@dataclass
-class _Graph:
-    graph: Any            # torch.cuda.CUDAGraph or EagerGraph
-    meta: MixedMeta       # static input
-    out: torch.Tensor     # static output: [S] sampled ids, or [S, C] ids + logprobs
-
-
 # program(meta, all_greedy, use_masks, logprobs) -> [S] ids (or [S, C] with logprobs).
 MixedProgram = Callable[[MixedMeta, bool, bool, bool], torch.Tensor]
 # The runner's host packing of a step: (tok, row, cu, seq_lens, q_lens) (ModelRunner.pack_mixed).
@@ -160,7 +152,7 @@ class MixedGraphs:
         self.stand_in = stand_in
         self.buckets = tuple(sorted(set(buckets)))
         self.token_buckets = tuple(sorted({t for t, _ in self.buckets}))
-        self.graphs: dict[tuple[int, int, tuple], _Graph] = {}
+        self.graphs: dict[tuple[int, int, tuple], CapturedGraph] = {}
         self.failed: dict[tuple, str] = {}   # key -> why its capture failed (eager from then on)
         self.steps_graphed = 0
         self.steps_eager = 0
@@ -210,17 +202,18 @@ class MixedGraphs:
             logger.warning("mixed step runs eagerly: %s (logged once; MixedGraphs.steps_eager counts them)", why)
 
     @torch.inference_mode()
-    def _capture(self, key: tuple) -> Optional[_Graph]:
+    def _capture(self, key: tuple) -> Optional[CapturedGraph]:
         if key in self.failed:
             return None
         tokens, seqs, variant = key
         t0 = time.perf_counter()
         try:
+            meta = MixedMeta.empty(tokens, seqs, self.scratch_slot, self.device)
             if self.stand_in:
-                g = self._capture_stand_in(MixedMeta.empty(tokens, seqs, self.scratch_slot, self.device), variant)
+                g = self._capture_stand_in(meta, variant)
             else:
                 with _sync_allowed():
-                    g = self._capture_cuda(MixedMeta.empty(tokens, seqs, self.scratch_slot, self.device), variant)
+                    g = self._capture_cuda(meta, variant)
         except Exception as e:  # out of memory, an op that cannot be captured: eager instead
             self.failed[key] = f"{type(e).__name__}: {e}"
             logger.error("mixed-step graph %s: capture failed, its steps run eagerly: %s", key, self.failed[key])
@@ -229,21 +222,20 @@ class MixedGraphs:
         self.capture_s += time.perf_counter() - t0
         return g
 
-    def _capture_stand_in(self, meta: MixedMeta, variant: tuple) -> _Graph:
-        out = torch.zeros(self._out_shape(meta.seqs, variant), dtype=torch.int64, device=self.device)
-        return _Graph(EagerGraph(lambda: self._program(meta, *variant), out), meta, out)
+    def _program_of(self, meta: MixedMeta, variant: tuple) -> Callable[[], torch.Tensor]:
+        return lambda: self._program(meta, *variant)
 
-    def _capture_cuda(self, meta: MixedMeta, variant: tuple) -> _Graph:
-        for _ in range(2):  # warm up: compiles Triton kernels, settles allocations (padding: scratch writes)
-            self._program(meta, *variant)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
+    def _capture_stand_in(self, meta: MixedMeta, variant: tuple) -> CapturedGraph:
+        return capture_graph(self._program_of(meta, variant), meta, self._out_shape(meta.seqs, variant),
+                             self.device, stand_in=True)
+
+    def _capture_cuda(self, meta: MixedMeta, variant: tuple) -> CapturedGraph:
         # thread_local: a first-use capture runs while the engine serves; CUDA calls of other
         # threads (a sender, a pipeline stage) must neither break nor be broken by it.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._program(meta, *variant)
+        g = capture_graph(self._program_of(meta, variant), meta, self._out_shape(meta.seqs, variant),
+                          self.device, stand_in=False, pool=self._pool, capture_error_mode="thread_local")
         torch.cuda.synchronize()
-        return _Graph(graph, meta, out)
+        return g
 
 
 class _sync_allowed:
