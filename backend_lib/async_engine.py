@@ -72,11 +72,23 @@ class _FailAll:
 
 
 class OutputSinks:
-    """Delivery to each request's sink (a RequestStream, or a callback): the part AsyncEngine
-    and engine_client.EngineProcessClient share. Subclasses own `_sinks` {request id: (stream,
-    callback)} and `_lock`."""
+    """Each request's sink (a RequestStream, or a callback): registration and delivery, the part
+    AsyncEngine and engine_client.EngineProcessClient share. Subclasses own `_sinks` {request
+    id: (stream, callback)}, `_lock` and `_stopping`."""
     _sinks: dict
     _lock: threading.Lock
+    _stopping: bool
+
+    def _register(self, request_id: str, callback: Optional[Callback]) -> RequestStream:
+        """A new request's sink (its stream, and its callback if any)."""
+        stream = RequestStream(request_id)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            if request_id in self._sinks:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._sinks[request_id] = (stream, callback)
+        return stream
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -145,13 +157,7 @@ class AsyncEngine(OutputSinks):
         if not self.is_healthy():
             raise RuntimeError(f"engine is not healthy: {self.error!r}")
         ids = self.engine.validate(prompt_token_ids, params)  # errors raise here, synchronously
-        stream = RequestStream(request_id)
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("engine is shutting down")
-            if request_id in self._sinks:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._sinks[request_id] = (stream, callback)
+        stream = self._register(request_id, callback)
         if not self.is_healthy():  # died while we registered: _FailAll may have run already
             with self._lock:
                 self._sinks.pop(request_id, None)

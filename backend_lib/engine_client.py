@@ -127,13 +127,7 @@ class EngineProcessClient(OutputSinks):
         if not self.is_healthy():
             raise RuntimeError(f"engine is not healthy: {self.error!r}")
         ids = self.validate(prompt_token_ids, params)  # errors raise here, synchronously
-        stream = RequestStream(request_id)
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("engine is shutting down")
-            if request_id in self._sinks:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._sinks[request_id] = (stream, callback)
+        stream = self._register(request_id, callback)
         try:
             self._send([(wire.ADD, request_id, ids, params)])
             sent = True
