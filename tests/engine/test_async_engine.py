@@ -40,44 +40,51 @@ def _wait(pred, timeout=60.0):
         time.sleep(0.005)
 
 
+def assert_streams_equal_generate(engine, reference) -> None:
+    """Half the requests by callback, half by iterator, arriving staggered: every stream's
+    outputs (no empty one before the final, one final last) add up to generate's tokens and
+    finish reason; one thread, not the caller's, runs the callbacks; nothing stays in flight."""
+    prompts, params, ref = reference
+    got: dict[str, list] = {}
+    threads = set()
+    done = threading.Event()
+    lock = threading.Lock()
+    half = len(prompts) // 2
+
+    def cb(out):
+        threads.add(threading.get_ident())
+        with lock:
+            got.setdefault(out.request_id, []).append(out)
+            if sum(1 for v in got.values() if v[-1].finished) == half:
+                done.set()
+
+    streams = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if i < half:
+            engine.add_request(f"cb-{i}", p, sp, callback=cb)
+        else:
+            streams.append(engine.add_request(f"it-{i}", p, sp))
+        if i % 7 == 0:
+            time.sleep(0.01)  # staggered arrivals
+    iterated = [list(s) for s in streams]
+    assert done.wait(120)
+    assert len(threads) == 1 and threading.get_ident() not in threads
+    for i in range(len(prompts)):
+        outs = got[f"cb-{i}"] if i < half else iterated[i - half]
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        toks = [t for o in outs for t in o.new_token_ids]
+        assert all(o.new_token_ids for o in outs[:-1])
+        assert (toks, str(outs[-1].finish_reason)) == ref[i], i
+        assert outs[-1].num_output_tokens == len(toks) and outs[-1].num_prompt_tokens == len(prompts[i])
+    _wait(lambda: engine.num_inflight() == 0)
+
+
 @pytest.mark.parametrize("async_mode", ["off", "on"])
 def test_streamed_equals_generate(path, generate_reference, async_mode):
-    prompts, params, ref = generate_reference
     aeng = AsyncEngine(EngineConfig(model_path=path, async_token_handoff=async_mode, **KW))
     try:
         assert aeng.engine.async_enabled is (async_mode == "on")
-        got: dict[str, list] = {}
-        threads = set()
-        done = threading.Event()
-        lock = threading.Lock()
-
-        def cb(out):
-            threads.add(threading.get_ident())
-            with lock:
-                got.setdefault(out.request_id, []).append(out)
-                if sum(1 for v in got.values() if v[-1].finished) == half:
-                    done.set()
-
-        half = len(prompts) // 2
-        streams = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            if i < half:
-                aeng.add_request(f"cb-{i}", p, sp, callback=cb)
-            else:
-                streams.append(aeng.add_request(f"it-{i}", p, sp))
-            if i % 7 == 0:
-                time.sleep(0.01)  # staggered arrivals
-        iterated = [list(s) for s in streams]
-        assert done.wait(120)
-        assert len(threads) == 1 and threading.get_ident() not in threads  # one dispatcher thread
-        for i in range(len(prompts)):
-            outs = got[f"cb-{i}"] if i < half else iterated[i - half]
-            assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
-            toks = [t for o in outs for t in o.new_token_ids]
-            assert all(o.new_token_ids for o in outs[:-1])
-            assert (toks, str(outs[-1].finish_reason)) == ref[i], i
-            assert outs[-1].num_output_tokens == len(toks) and outs[-1].num_prompt_tokens == len(prompts[i])
-        _wait(lambda: aeng.num_inflight() == 0)
+        assert_streams_equal_generate(aeng, generate_reference)
         assert aeng.stats().kv_blocks_used == 0
     finally:
         aeng.shutdown()

@@ -16,7 +16,7 @@ import pytest
 
 from backend_lib import AsyncEngine, EngineConfig, EngineProcessClient, SamplingParams
 from engine_helpers import greedy, make_engine
-from test_async_engine import KW, _workload
+from test_async_engine import KW, _wait, assert_streams_equal_generate, generate_reference  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,21 +41,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait(pred, timeout=60.0):
-    t0 = time.time()
-    while not pred():
-        assert time.time() - t0 < timeout, "timed out"
-        time.sleep(0.005)
-
-
-@pytest.fixture(scope="module")
-def generate_reference(path):
-    prompts, params = _workload()
-    outs = make_engine(path, **{k: v for k, v in KW.items() if k not in ("device", "dtype")}).generate(prompts, params)
-    assert sum(o.finish_reason == "stop" for o in outs) >= 3
-    return prompts, params, [(o.token_ids, o.finish_reason) for o in outs]
-
-
 @pytest.fixture(scope="module")
 def client(path):
     c = EngineProcessClient(EngineConfig(model_path=path, **KW))
@@ -65,38 +50,8 @@ def client(path):
 
 
 def test_streamed_equals_generate(client, generate_reference):
-    prompts, params, ref = generate_reference
-    got: dict[str, list] = {}
-    threads = set()
-    done = threading.Event()
-    lock = threading.Lock()
-    half = len(prompts) // 2
-
-    def cb(out):
-        threads.add(threading.get_ident())
-        with lock:
-            got.setdefault(out.request_id, []).append(out)
-            if sum(1 for v in got.values() if v[-1].finished) == half:
-                done.set()
-
-    streams = []
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        if i < half:
-            client.add_request(f"cb-{i}", p, sp, callback=cb)
-        else:
-            streams.append(client.add_request(f"it-{i}", p, sp))
-        if i % 7 == 0:
-            time.sleep(0.01)  # staggered arrivals
-    iterated = [list(s) for s in streams]
-    assert done.wait(120)
-    assert len(threads) == 1 and threading.get_ident() not in threads  # one reader thread
-    for i in range(len(prompts)):
-        outs = got[f"cb-{i}"] if i < half else iterated[i - half]
-        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
-        toks = [t for o in outs for t in o.new_token_ids]
-        assert (toks, str(outs[-1].finish_reason)) == ref[i], i
-        assert outs[-1].num_output_tokens == len(toks) and outs[-1].num_prompt_tokens == len(prompts[i])
-    _wait(lambda: client.num_inflight() == 0)
+    assert_streams_equal_generate(client, generate_reference)
+    ref = generate_reference[2]
     st = client.stats()
     assert st.kv_blocks_used == 0 and st.num_running == 0
     assert st.generation_tokens_total >= sum(len(t) for t, _ in ref)
