@@ -139,7 +139,8 @@ def _use_kernels(logits: torch.Tensor) -> bool:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, all_greedy: bool, use_masks: bool) -> torch.Tensor:
-    """logits [S, V] float32 -> token ids [S] int64. `all_greedy`/`use_masks` are host flags
+    """logits [S, V] float32 (or the model's dtype, where native_logits_ok) -> token ids [S]
+    int64. `all_greedy`/`use_masks` are host flags
     known at scheduling time; they pick a cheaper program, never change the result.
     `use_masks` covers every per-row filter: banned ids, min_tokens, top-k, top-p and min_p.
     Modifies `logits` in place when `use_masks` (callers that still need the raw logits,

@@ -288,7 +288,8 @@ def _zeros(n: int, device: str) -> torch.Tensor:
 
 def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool, only_stage=None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton sampler: (masked) logits [S, V] f32 -> ids [S] int64 (sampler.py's function).
+    """The Triton sampler: (masked) logits [S, V] f32 (or bf16: loads upcast) -> ids [S] int64
+    (sampler.py's function).
     IMPL "split" (the default) runs sampling_split's chunked kernels; "rows" this module's
     one program per row. only_stage=(stages [S] int32, value): only those rows, into `out`."""
     if only_stage is None and IMPL == "split":
