@@ -289,10 +289,12 @@ def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict
     cmd = server_argv(inst, backend_dir, opts)
     env["TRITON_HTTP_PORT"] = str(opts.http_port)  # the llm model watches readiness there
     sys.stdout.flush()
+    metrics_host = "127.0.0.1" if opts.address in ("0.0.0.0", "::", "") else opts.address
     sup = Supervisor(cmd, env, exit_timeout_s=opts.exit_timeout_s,
                      on_stop=front.stop if front is not None else None,
                      on_stub_death=front.fail_inflight if front is not None else None,
-                     server_state=lambda: _http_state(opts.http_port))
+                     server_state=lambda: _http_state(opts.http_port),
+                     bls_inflight=lambda: _gauge_sum(metrics_host, opts.metrics_port, "bls_inflight_requests"))
     return sup.run()
 
 
@@ -310,6 +312,25 @@ def _http_state(port: int) -> str:
         return "down" if isinstance(e.reason, ConnectionError) else "unknown"
     except Exception:  # noqa: BLE001
         return "unknown"
+
+
+def _gauge_sum(host: str, port: int, name: str) -> Optional[float]:
+    """The sum of a gauge's series on tritonserver's metrics endpoint (0 when it has none:
+    no model reports it), None when the endpoint does not answer."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=2) as r:
+            text = r.read().decode(errors="replace")
+    except Exception:  # noqa: BLE001 - unknown, the caller waits its bound
+        return None
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                return None
+    return total
 
 
 def _free_loopback_port() -> int:

@@ -16,8 +16,10 @@ So the supervisor
   - forwards the first SIGINT/SIGTERM/SIGHUP to tritonserver, kills its whole process group
     if it has not exited `grace_s` after its exit timeout (a second signal kills at once);
   - watches the stubs: one that dies while the server runs makes the server unusable (see
-    above), so it is logged and, `stub_death_grace_s` later (the BLS routes end their streams
-    with the error meanwhile), the server is stopped the same bounded way (exit status 1);
+    above), so it is logged and the server is stopped the same bounded way (exit status 1),
+    once the BLS routes have ended the streams that waited on the dead stub with the error
+    naming it (their `bls_inflight_requests` gauges read 0), at most `stub_death_grace_s`
+    after the death: stopping sooner would break those gRPC streams with no reason given;
   - after tritonserver exits, kills what is left of its group, reaps the orphans and removes
     the /dev/shm regions of every stub it saw (the region name is the stub's 2nd argument).
 """
@@ -108,10 +110,17 @@ def processes_of(pgid: int, also_children_of: Optional[int] = None) -> list[int]
     return out
 
 
-def stub_info(pid: int) -> Optional[StubInfo]:
+def stub_info(pid: int, server_pid: Optional[int] = None) -> Optional[StubInfo]:
+    """The stub's model and region; None for another process. With server_pid: only a stub
+    that server started (a process a stub forked carries the stub's argv until it execs, and
+    on a loaded machine lives long enough to be seen: its exit is no stub death)."""
     argv = _argv(pid)
     if len(argv) < 9 or os.path.basename(argv[0]) != STUB_NAME:
         return None  # not a stub, or its argv not readable in full yet
+    if server_pid is not None:
+        st = _stat(pid)
+        if st is None or st[1] != server_pid:
+            return None
     parts = Path(argv[1]).parts  # <repository>/<model>/<version>/model.py
     model = parts[-3] if len(parts) >= 3 else "?"
     return StubInfo(pid, model, argv[2], instance=argv[8] != model)
@@ -129,9 +138,16 @@ class Supervisor:
     grace_s: float = 2.0        # after the exit timeout, before the process group is killed
     stub_grace_s: float = 1.0   # after tritonserver exited, before its leftover stubs are killed
     # After a stub died, before the server is stopped: the BLS routes check their upstream's
-    # stub every second and end their streams with an error naming it; a server already
-    # stopping would break those gRPC streams first ("Socket closed", no reason given).
-    stub_death_grace_s: float = 3.0
+    # stub about every half second and end their streams with an error naming it; a server
+    # already stopping would break those gRPC streams first ("Socket closed", no reason
+    # given). The stop waits until `bls_inflight()` reads 0 (then `stub_death_flush_s` more, for
+    # the gRPC frontend to write the errors out), at least `stub_death_min_s`, at most
+    # `stub_death_grace_s` (a 2-core machine under load took over 3 s).
+    stub_death_grace_s: float = 10.0
+    stub_death_min_s: float = 1.0
+    stub_death_flush_s: float = 0.5
+    # requests in flight in the BLS routes (the sum of their gauges), None when unknown
+    bls_inflight: Callable[[], Optional[float]] = lambda: None
     poll_s: float = 0.5
     on_stop: Optional[Callable[[], None]] = None   # e.g. close the HTTP front
     on_stub_death: Optional[Callable[[str], None]] = None  # e.g. end the HTTP front's streams
@@ -146,7 +162,8 @@ class Supervisor:
     _kill_at: Optional[float] = None
     _stop_reason: Optional[str] = None
     _stub_died: Optional[StubInfo] = None
-    _stop_at: Optional[float] = None   # a stop decided, due at this time (stub_death_grace_s)
+    _death_at: Optional[float] = None    # when a stub death was seen: a stop is due
+    _drained_at: Optional[float] = None  # when the BLS routes were first seen with nothing in flight
 
     def run(self) -> int:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -229,7 +246,7 @@ class Supervisor:
         for pid in processes_of(self.child.pid, also_children_of=os.getpid()):
             live.add(pid)
             if pid not in self.stubs:
-                info = stub_info(pid)
+                info = stub_info(pid, server_pid=self.child.pid)
                 if info is not None:
                     self.stubs[pid] = info
         live &= set(self.stubs)
@@ -247,11 +264,22 @@ class Supervisor:
             log(f"error: {message}")
             if self.on_stub_death is not None:
                 self.on_stub_death(f"{message}: the server is stopping")
-            self._stop_at = time.monotonic() + self.stub_death_grace_s
+            self._death_at = time.monotonic()
 
     def _stop_if_due(self) -> None:
-        if self._stop_at is not None and time.monotonic() >= self._stop_at:
-            self._stop_at = None
+        """After a stub death: stop once the BLS routes have drained (and the flush time has
+        passed), or when the grace is over."""
+        if self._death_at is None:
+            return
+        now = time.monotonic()
+        waited = now - self._death_at
+        if waited >= self.stub_death_min_s and self._drained_at is None and self.bls_inflight() == 0:
+            self._drained_at = now
+        drained = self._drained_at is not None and now - self._drained_at >= self.stub_death_flush_s
+        if drained or waited >= self.stub_death_grace_s:
+            self._death_at = None
+            if not drained:
+                log(f"the BLS routes still had requests in flight {waited:.1f} s after the stub died")
             self.stop(f"stub of '{self._stub_died.model}' died")
 
     def _cleanup(self) -> None:

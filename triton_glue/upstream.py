@@ -114,7 +114,7 @@ class BoundedResponses:
 
     _END = object()
 
-    def __init__(self, responses: Any, watch: UpstreamWatch, poll_s: float = 1.0,
+    def __init__(self, responses: Any, watch: UpstreamWatch, poll_s: float = 0.5,
                  silence_s: Optional[float] = None, silence_message: str = "upstream sent nothing"):
         self._it = responses
         self._watch = watch

@@ -125,7 +125,7 @@ def test_an_instance_stub_dead_before_the_first_ready_poll_is_a_death(monkeypatc
              13: sv.StubInfo(13, "vllm_model", "r13", instance=True)}
     alive = {11, 12, 13}
     monkeypatch.setattr(sv, "processes_of", lambda pgid, also_children_of=None: sorted(alive))
-    monkeypatch.setattr(sv, "stub_info", lambda pid: table.get(pid))
+    monkeypatch.setattr(sv, "stub_info", lambda pid, server_pid=None: table.get(pid))
 
     class Child:
         pid = 1
@@ -145,9 +145,135 @@ def test_an_instance_stub_dead_before_the_first_ready_poll_is_a_death(monkeypatc
     s._watch_stubs("ready")         # the first poll that sees the server ready
     assert s._stub_died is not None and s._stub_died.pid == 12 and s._stub_died.model == "llm"
     assert len(deaths) == 1 and "'llm' (pid 12) died" in deaths[0]
-    # the stop waits stub_death_grace_s, so the BLS routes end their streams with the error first
     s._stop_if_due()
-    assert s._stop_reason is None and s._stop_at is not None
-    s._stop_at = time.monotonic() - 0.01
+    assert s._stop_reason is None   # the BLS routes first end their streams with the error
+
+
+def _dead_stub_supervisor(inflight: list):
+    """A supervisor that has just seen llm's stub die; the BLS routes' in-flight gauge reads
+    inflight[0]."""
+    from triton_glue import supervisor as sv
+
+    class Child:
+        pid = 1
+
+        def poll(self):
+            return None
+
+        def send_signal(self, sig):
+            pass
+
+    s = sv.Supervisor(argv=[], env={}, exit_timeout_s=1, server_state=lambda: "ready",
+                      bls_inflight=lambda: inflight[0])
+    s.child = Child()
+    s._stub_died = sv.StubInfo(12, "llm", "r12", instance=True)
+    s._death_at = time.monotonic()
+    return s
+
+
+def test_stub_death_stops_the_server_once_the_bls_routes_drained():
+    """The stop waits for the BLS routes' streams to end with the error (gauge 0), plus the
+    flush time; it never comes before stub_death_min_s."""
+    inflight = [0.0]
+    s = _dead_stub_supervisor(inflight)
+    s._stop_if_due()
+    assert s._stop_reason is None  # drained at once, but the minimum wait is not over
+    inflight[0] = 3.0
+    s._death_at -= s.stub_death_min_s
+    s._stop_if_due()
+    assert s._stop_reason is None and s._drained_at is None  # 3 requests still wait on llm
+    s._death_at -= 2.0  # still inside the grace
+    s._stop_if_due()
+    assert s._stop_reason is None
+    inflight[0] = 0.0
+    s._stop_if_due()
+    assert s._stop_reason is None and s._drained_at is not None  # drained: the flush time first
+    s._drained_at -= s.stub_death_flush_s
     s._stop_if_due()
     assert s._stop_reason == "stub of 'llm' died"
+
+
+@pytest.mark.parametrize("gauge", [None, 2.0])
+def test_stub_death_stops_the_server_after_the_grace(gauge, capsys):
+    """A gauge that cannot be read (None) or never drains: the stop comes stub_death_grace_s
+    after the death, and the log says what was still in flight."""
+    s = _dead_stub_supervisor([gauge])
+    s._death_at -= s.stub_death_grace_s - 0.5
+    s._stop_if_due()
+    assert s._stop_reason is None
+    s._death_at -= 0.5
+    s._stop_if_due()
+    assert s._stop_reason == "stub of 'llm' died"
+    assert "still had requests in flight" in capsys.readouterr().err
+
+
+def test_gauge_sum_reads_every_series_of_a_gauge():
+    """launch._gauge_sum: the BLS routes' in-flight gauges summed from the metrics text; 0 with
+    none; None when the endpoint does not answer."""
+    import http.server
+    import threading
+
+    from triton_glue.launch import _gauge_sum
+
+    body = {"text": ""}
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            data = body["text"].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        body["text"] = ('# HELP bls_inflight_requests x\n# TYPE bls_inflight_requests gauge\n'
+                        'bls_inflight_requests{model="llm_bls",route="llm_bls",version="1"} 3\n'
+                        'bls_inflight_requests{model="vllm_model",route="vllm_model",version="1"} 2\n'
+                        'bls_inflight_requests_other{route="x"} 7\n'
+                        'nv_inference_count{model="llm"} 9\n')
+        assert _gauge_sum("127.0.0.1", port, "bls_inflight_requests") == 5.0
+        body["text"] = 'nv_inference_count{model="llm"} 9\n'
+        assert _gauge_sum("127.0.0.1", port, "bls_inflight_requests") == 0.0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert _gauge_sum("127.0.0.1", port, "bls_inflight_requests") is None
+
+
+def test_a_process_forked_by_a_stub_is_no_stub(tmp_path):
+    """A child forked by a stub carries the stub's argv until it execs (or exits): with the
+    server's pid, stub_info counts only the stubs that server started, so that child's exit
+    (seen on a loaded 2-core machine right after the server got ready) is no stub death."""
+    from triton_glue import supervisor as sv
+
+    stub = tmp_path / "triton_python_backend_stub"
+    stub.symlink_to(os.path.realpath(sys.executable))
+    code = ("import os, time\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n    time.sleep(30); os._exit(0)\n"
+            "print(pid, flush=True); time.sleep(30)\n")
+    model_py = tmp_path / "repo" / "llm" / "1" / "model.py"
+    model_py.parent.mkdir(parents=True)
+    model_py.write_text(code)
+    argv = [str(stub), str(model_py), "region_x", "0", "0", "1", "lib", "0", "llm_0_0"]
+    parent = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        me = os.getpid()
+        assert sv.stub_info(parent.pid) is not None and sv.stub_info(child) is not None  # same argv
+        info = sv.stub_info(parent.pid, server_pid=me)
+        assert info is not None and info.instance and info.model == "llm" and info.shm_region == "region_x"
+        assert sv.stub_info(child, server_pid=me) is None
+    finally:
+        parent.kill()
+        parent.wait()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
