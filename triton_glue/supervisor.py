@@ -230,8 +230,10 @@ class Supervisor:
         if state == "ready":
             self._was_ready = True
         elif state == "down" and self._was_ready:
+            # its exit timeout started before we saw the endpoint close (a poll and up to a
+            # 2 s health request ago): no grace on top of it
             self._stop_reason = "tritonserver shutting down"
-            self._kill_at = time.monotonic() + self.exit_timeout_s + self.grace_s
+            self._kill_at = time.monotonic() + self.exit_timeout_s
             log("tritonserver is shutting down (its HTTP endpoint closed)")
 
     # ---- stubs --------------------------------------------------------------------------
