@@ -40,6 +40,32 @@ def _wait(pred, timeout=60.0):
         time.sleep(0.005)
 
 
+def assert_abort_by_id(engine, path, p: list) -> list:
+    """A stream aborted by id after its first token: it ends with one final 'abort' output,
+    its tokens a prefix of generate's; a second abort and an unknown id are no-ops. Returns
+    the aborted stream's tokens."""
+    full = make_engine(path).generate([p], greedy(40, ignore_eos=True))[0].token_ids
+    first_token = threading.Event()
+    outs = []
+
+    def cb(out):
+        outs.append(out)
+        first_token.set()
+
+    engine.add_request("victim", p, greedy(400, ignore_eos=True), callback=cb)
+    assert first_token.wait(60)
+    engine.abort("victim")
+    _wait(lambda: outs and outs[-1].finished)
+    toks = [t for o in outs for t in o.new_token_ids]
+    assert str(outs[-1].finish_reason) == "abort" and 0 < len(toks) < 400
+    assert sum(o.finished for o in outs) == 1
+    n = min(len(toks), len(full))
+    assert toks[:n] == full[:n]
+    engine.abort("victim")
+    engine.abort("never-added")
+    return toks
+
+
 def assert_streams_equal_generate(engine, reference) -> None:
     """Half the requests by callback, half by iterator, arriving staggered: every stream's
     outputs (no empty one before the final, one final last) add up to generate's tokens and
@@ -94,24 +120,7 @@ def test_streamed_equals_generate(path, generate_reference, async_mode):
 def test_abort_by_id_and_shutdown_deliver_finals(path, async_mode):
     aeng = AsyncEngine(EngineConfig(model_path=path, async_token_handoff=async_mode, **KW))
     p = [5, 6, 7, 8, 9]
-    full = make_engine(path).generate([p], greedy(40, ignore_eos=True))[0].token_ids
-    first_token = threading.Event()
-    outs = []
-
-    def cb(out):
-        outs.append(out)
-        first_token.set()
-
-    aeng.add_request("victim", p, greedy(400, ignore_eos=True), callback=cb)
-    assert first_token.wait(60)
-    aeng.abort("victim")
-    _wait(lambda: outs and outs[-1].finished)
-    toks = [t for o in outs for t in o.new_token_ids]
-    assert str(outs[-1].finish_reason) == "abort" and 0 < len(toks) < 400
-    n = min(len(toks), len(full))
-    assert toks[:n] == full[:n]
-    aeng.abort("victim")      # a second abort / an unknown id are no-ops
-    aeng.abort("never-added")
+    toks = assert_abort_by_id(aeng, path, p)
 
     # Shutdown with requests in flight: each gets a final output ("abort").
     streams = [aeng.add_request(f"s{i}", p + [i + 10], greedy(400, ignore_eos=True)) for i in range(4)]

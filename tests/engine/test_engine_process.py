@@ -16,7 +16,7 @@ import pytest
 
 from backend_lib import AsyncEngine, EngineConfig, EngineProcessClient, SamplingParams
 from engine_helpers import greedy, make_engine
-from test_async_engine import KW, _wait, assert_streams_equal_generate, generate_reference  # noqa: F401 (a fixture)
+from test_async_engine import KW, _wait, assert_abort_by_id, assert_streams_equal_generate, generate_reference  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -92,24 +92,7 @@ def test_validation_messages_match_the_engine(client, path):
 
 
 def test_abort_by_id(client, path):
-    p = [5, 6, 7, 8, 9]
-    full = make_engine(path).generate([p], greedy(40, ignore_eos=True))[0].token_ids
-    outs, first = [], threading.Event()
-
-    def cb(out):
-        outs.append(out)
-        first.set()
-
-    client.add_request("victim", p, greedy(400, ignore_eos=True), callback=cb)
-    assert first.wait(60)
-    client.abort("victim")
-    _wait(lambda: outs and outs[-1].finished)
-    toks = [t for o in outs for t in o.new_token_ids]
-    assert str(outs[-1].finish_reason) == "abort" and 0 < len(toks) < 400
-    n = min(len(toks), len(full))
-    assert toks[:n] == full[:n]
-    client.abort("victim")
-    client.abort("never-added")
+    assert_abort_by_id(client, path, [5, 6, 7, 8, 9])
     _wait(lambda: client.stats().kv_blocks_used == 0, 10)
 
 

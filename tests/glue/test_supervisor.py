@@ -114,6 +114,17 @@ def test_a_crashed_server_leaves_no_stub_and_no_shm_region(tmp_path):
         shm.unlink(missing_ok=True)
 
 
+class _RunningServer:
+    """Supervisor.child: a tritonserver that runs and takes signals."""
+    pid = 1
+
+    def poll(self):
+        return None
+
+    def send_signal(self, sig):
+        pass
+
+
 def test_an_instance_stub_dead_before_the_first_ready_poll_is_a_death(monkeypatch):
     """The llm stub killed between the server's start and the supervisor's first "ready" poll
     (a client can be that fast) still counts as a stub death; auto-complete stubs, which exit
@@ -127,19 +138,10 @@ def test_an_instance_stub_dead_before_the_first_ready_poll_is_a_death(monkeypatc
     monkeypatch.setattr(sv, "processes_of", lambda pgid, also_children_of=None: sorted(alive))
     monkeypatch.setattr(sv, "stub_info", lambda pid, server_pid=None: table.get(pid))
 
-    class Child:
-        pid = 1
-
-        def poll(self):
-            return None
-
-        def send_signal(self, sig):
-            pass
-
     deaths = []
     s = sv.Supervisor(argv=[], env={}, exit_timeout_s=1, on_stub_death=deaths.append,
                       server_state=lambda: "ready")
-    s.child = Child()
+    s.child = _RunningServer()
     s._watch_stubs("loading")       # all three seen while the models load
     alive -= {11, 12}               # auto-complete stub exits; llm's instance stub is killed
     s._watch_stubs("ready")         # the first poll that sees the server ready
@@ -154,18 +156,9 @@ def _dead_stub_supervisor(inflight: list):
     inflight[0]."""
     from triton_glue import supervisor as sv
 
-    class Child:
-        pid = 1
-
-        def poll(self):
-            return None
-
-        def send_signal(self, sig):
-            pass
-
     s = sv.Supervisor(argv=[], env={}, exit_timeout_s=1, server_state=lambda: "ready",
                       bls_inflight=lambda: inflight[0])
-    s.child = Child()
+    s.child = _RunningServer()
     s._stub_died = sv.StubInfo(12, "llm", "r12", instance=True)
     s._death_at = time.monotonic()
     return s
