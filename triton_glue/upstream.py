@@ -124,6 +124,10 @@ class BoundedResponses:
         self._last = time.monotonic()
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         watch.locate()
+        if watch.dead_message is not None:
+            # a death already seen: fail now, without sending a request nobody will answer
+            # (the responses generator sends it on its first step, on the pump thread)
+            raise UpstreamGone(watch.dead_message)
         self._pump = threading.Thread(target=self._pump_main, name="bls-upstream", daemon=True)
         self._pump.start()
 

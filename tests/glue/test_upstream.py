@@ -60,3 +60,27 @@ def test_cancel_is_the_wrapped_iterators():
     it.cancel()
     assert raw.cancelled
     assert not hasattr(BoundedResponses(iter([]), UpstreamWatch("llm")), "cancel")
+
+
+def test_a_request_after_the_death_fails_at_once_and_is_never_sent():
+    """After the upstream's death is known, a new request fails when its wait is set up (no
+    poll interval each: a backlog of queued BLS requests drains at once) and its upstream
+    request is never sent."""
+    stub = subprocess.Popen(["sleep", "60"])
+    watch = UpstreamWatch("llm")
+    watch.pid = stub.pid
+    stub.kill()
+    stub.wait()
+    assert not watch.alive()
+    sent = []
+
+    def responses():
+        sent.append(True)  # the upstream request goes out on the first step
+        yield "never"
+    t0 = time.monotonic()
+    for _ in range(20):
+        with pytest.raises(UpstreamGone, match="model 'llm' is gone"):
+            BoundedResponses(responses(), watch, poll_s=1.0)
+    assert time.monotonic() - t0 < 1.0
+    time.sleep(0.1)
+    assert not sent
