@@ -253,6 +253,9 @@ class EngineProcessClient(OutputSinks):
         elif kind == wire.DIED:
             self.error = wire.EngineCoreError(msg[1])
             logger.error("engine process (pid %d) loop died: %s", self.pid, msg[1])
+            # Nothing follows DIED but the core's clean-up (LLMEngine.close: pipeline stages,
+            # process groups), which may be slow or hang: fail every request now, as in-process.
+            self._fail_all(FinishReason.ERROR, f"engine failed: {self.error!r}")
         elif kind == wire.STOPPED:
             self._stopped_cleanly = True
 
