@@ -20,8 +20,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -41,6 +43,10 @@ logger = logging.getLogger("backend_lib")
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # the folder holding backend_lib/
 STATS_TIMEOUT_S = 2.0   # a stats() call waits this long for the core's reply, then gives the last one
+# The core's reader thread does nothing but take commands off the socket: a send blocked this
+# long on a full socket means the core is wedged (stopped, or stuck holding its GIL). It is
+# then killed and every request fails, rather than Triton's execute thread blocking for ever.
+SEND_TIMEOUT_S = 30.0
 # Messages the reader takes at once before delivering: enough to merge a backlog, bounded so
 # that the first tokens of a long backlog are not held back.
 MAX_MESSAGES_PER_PASS = 64
@@ -63,6 +69,8 @@ class EngineProcessClient(OutputSinks):
         self._stats_waiting: dict[int, list] = {}   # seq -> [Event, EngineStats | None]
         self._last_stats = EngineStats()
         ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S),
+                                                                         int(SEND_TIMEOUT_S % 1 * 1e6)))
         env = dict(os.environ)
         # The core shares the machine's cores with this process's sender. Spinning OpenMP
         # workers (Intel OpenMP spins 200 ms after each parallel region) starve it: on 2 cores
@@ -189,8 +197,8 @@ class EngineProcessClient(OutputSinks):
         deadline = time.monotonic() + timeout
         with self._lock:
             self._stopping = True
-        try:
-            self._send([(wire.STOP,)])
+        try:  # within the timeout: another caller may be blocked sending to a wedged core
+            self._send([(wire.STOP,)], timeout=max(0.0, deadline - time.monotonic()))
         except OSError:
             pass
         try:
@@ -206,9 +214,27 @@ class EngineProcessClient(OutputSinks):
         self._finalizer.detach()
 
     # ---- reader thread ----------------------------------------------------------------------
-    def _send(self, cmds: list) -> None:
-        with self._send_lock:
+    def _send(self, cmds: list, timeout: Optional[float] = None) -> None:
+        """Raises OSError when the core is gone or wedged (SEND_TIMEOUT_S), or TimeoutError
+        (an OSError) when `timeout` is given and the socket does not take the message in time."""
+        if not self._send_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError("engine process socket busy")
+        try:
+            if timeout is not None and not select.select([], [self._conn], [], timeout)[1]:
+                raise TimeoutError("engine process socket full")
             self._conn.send(cmds)
+        except BlockingIOError:  # SO_SNDTIMEO: the core took nothing for SEND_TIMEOUT_S
+            self._core_wedged()
+            raise
+        finally:
+            self._send_lock.release()
+
+    def _core_wedged(self) -> None:
+        if self.error is None:
+            self.error = wire.EngineCoreError(f"EngineProcessWedged('engine process (pid {self.pid}) is wedged: "
+                                              f"it took no command for {SEND_TIMEOUT_S:g} s')")
+        logger.error("engine process (pid %d) took no command for %g s; killing it", self.pid, SEND_TIMEOUT_S)
+        _kill(self._proc)  # the reader then sees EOF and fails every request with self.error
 
     def _reader_main(self) -> None:
         conn = self._conn

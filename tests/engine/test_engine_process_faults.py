@@ -69,3 +69,75 @@ def test_engine_death_fails_requests_before_the_core_cleans_up(path, tmp_path, m
     finally:
         c.shutdown(timeout=5)
     assert not _alive(c.pid)
+
+
+def _fill_until_blocked(c, n=2000):
+    """A thread adding long-prompt requests to a core that does not read: the socket fills and
+    add_request blocks. Returns (thread, outcomes {rid: 'added' | the exception})."""
+    res: dict = {}
+
+    def adder():
+        for i in range(n):
+            try:
+                c.add_request(f"r{i}", [5] * 500, greedy(3), callback=lambda out: None)
+                res[f"r{i}"] = "added"
+            except Exception as e:  # noqa: BLE001
+                res[f"r{i}"] = e
+                return
+
+    t = threading.Thread(target=adder, daemon=True)
+    t.start()
+    n_added, t0 = -1, time.monotonic()
+    while len(res) != n_added:  # until the adds stop: the socket is full
+        assert time.monotonic() - t0 < 60 and t.is_alive(), "add_request did not block on the stopped core"
+        n_added = len(res)
+        time.sleep(1.0)
+    assert n_added > 5 and all(v == "added" for v in res.values())
+    return t, res
+
+
+def test_wedged_core_is_killed_and_fails_requests(path, monkeypatch):
+    """A core that takes no command for SEND_TIMEOUT_S (stopped, or stuck holding its GIL) is
+    wedged: add_request raises instead of blocking Triton's execute thread forever, every
+    request ends with an error, the client turns unhealthy, the core is killed."""
+    from backend_lib import engine_client
+    monkeypatch.setattr(engine_client, "SEND_TIMEOUT_S", 2.0)
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    finals: dict = {}
+    try:
+        c.add_request("early", [5, 6, 7], greedy(400, ignore_eos=True), callback=lambda out: out.finished and finals.setdefault(out.request_id, out))
+        os.kill(c.pid, signal.SIGSTOP)
+        t, res = _fill_until_blocked(c)
+        t.join(15)
+        assert not t.is_alive(), "add_request still blocked on a wedged core"
+        last = res[max(res, key=lambda k: int(k[1:]))]
+        assert isinstance(last, RuntimeError) and "not healthy" in str(last) and "wedged" in str(last)
+        _wait(lambda: "early" in finals, 10)
+        assert str(finals["early"].finish_reason) == "error" and "wedged" in finals["early"].error
+        assert not c.is_healthy()
+        _wait(lambda: not _alive(c.pid), 15)
+        assert c.num_inflight() == 0
+    finally:
+        c.shutdown(timeout=3)
+    assert not _alive(c.pid)
+
+
+def test_shutdown_keeps_its_timeout_with_a_wedged_core(path):
+    """shutdown(timeout) returns within its timeout though a caller is blocked sending to a
+    stopped core (the stub's finalize must not hang); the blocked caller gets its error."""
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    try:
+        os.kill(c.pid, signal.SIGSTOP)
+        t, res = _fill_until_blocked(c)
+        t0 = time.monotonic()
+        s = threading.Thread(target=c.shutdown, kwargs=dict(timeout=3), daemon=True)
+        s.start()
+        s.join(20)
+        assert not s.is_alive(), "shutdown hung on a wedged core"
+        assert time.monotonic() - t0 < 10
+        t.join(15)
+        assert not t.is_alive()
+        assert not _alive(c.pid)
+    finally:
+        if _alive(c.pid):
+            os.kill(c.pid, signal.SIGKILL)
