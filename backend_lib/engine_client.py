@@ -6,8 +6,9 @@ for that GIL and the GPU idles. Here the loop runs in `python -m backend_lib.eng
 (vLLM's AsyncLLM / EngineCore split) and this process only validates, forwards and delivers.
 
 Threads here: the callers' (add_request / abort / stats send one small message each) and ONE
-reader thread that receives the core's messages (each holds every engine step finished since
-the core's last write) and runs the callbacks, in order, as AsyncEngine's dispatcher does.
+reader thread that forks the core, then receives the core's messages (each holds every engine
+step finished since the core's last write) and runs the callbacks, in order, as AsyncEngine's
+dispatcher does.
 
 Lifecycle: the child is started with this process's venv python (not sys.executable, which
 inside Triton's stub is the stub binary), dies with this process (parent-death signal, and EOF
@@ -65,6 +66,7 @@ class EngineProcessClient(OutputSinks):
         self._send_lock = threading.Lock()
         self._stopping = False
         self._stopped_cleanly = False
+        self._ready = False  # the start-up handshake succeeded: the reader thread reads
         self._stats_seq = itertools.count()
         self._stats_waiting: dict[int, list] = {}   # seq -> [Event, EngineStats | None]
         self._last_stats = EngineStats()
@@ -79,12 +81,20 @@ class EngineProcessClient(OutputSinks):
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                                   if p and p != _PACKAGE_PARENT])
-        try:
-            self._proc = subprocess.Popen(
-                [python_executable(), "-m", "backend_lib.engine_core", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, close_fds=True)
-        finally:
-            theirs.close()
+        argv = [python_executable(), "-m", "backend_lib.engine_core", str(theirs.fileno()), str(os.getpid())]
+        # The core's parent-death signal fires when the THREAD that forked it ends, not this
+        # process: the reader thread, which lives as long as the core, forks it (a client built
+        # on a short-lived thread would otherwise lose its core with that thread).
+        self._spawned, self._handshake = threading.Event(), threading.Event()
+        self._spawn_error: Optional[BaseException] = None
+        self._reader = threading.Thread(target=self._reader_thread, args=(argv, theirs.fileno(), env),
+                                        name="engine-proc-reader", daemon=True)
+        self._reader.start()
+        self._spawned.wait()
+        theirs.close()
+        if self._spawn_error is not None:
+            ours.close()
+            raise self._spawn_error
         self.pid = self._proc.pid
         self._conn = Connection(ours.detach())
         # A client dropped without shutdown() (or an interpreter exit) must not leave the core running.
@@ -95,12 +105,13 @@ class EngineProcessClient(OutputSinks):
         except BaseException:
             self._finalizer()
             self._conn.close()
+            self._handshake.set()  # the reader thread ends without reading
             raise
         self.vocab_size = info["vocab_size"]
         self.max_model_len = info["max_model_len"]
         self.eos_token_ids = info["eos_token_ids"]
-        self._reader = threading.Thread(target=self._reader_main, name="engine-proc-reader", daemon=True)
-        self._reader.start()
+        self._ready = True
+        self._handshake.set()
 
     def _await_ready(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -235,6 +246,19 @@ class EngineProcessClient(OutputSinks):
                                               f"it took no command for {SEND_TIMEOUT_S:g} s')")
         logger.error("engine process (pid %d) took no command for %g s; killing it", self.pid, SEND_TIMEOUT_S)
         _kill(self._proc)  # the reader then sees EOF and fails every request with self.error
+
+    def _reader_thread(self, argv: list, fd: int, env: dict) -> None:
+        """Fork the core, wait for the constructor's start-up handshake, then read."""
+        try:
+            self._proc = subprocess.Popen(argv, pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException as e:  # noqa: BLE001 - raised by the constructor
+            self._spawn_error = e
+            return
+        finally:
+            self._spawned.set()
+        self._handshake.wait()
+        if self._ready:
+            self._reader_main()
 
     def _reader_main(self) -> None:
         conn = self._conn

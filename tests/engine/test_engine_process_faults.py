@@ -141,3 +141,21 @@ def test_shutdown_keeps_its_timeout_with_a_wedged_core(path):
     finally:
         if _alive(c.pid):
             os.kill(c.pid, signal.SIGKILL)
+
+
+def test_core_outlives_the_thread_that_built_the_client(path):
+    """The kernel's parent-death signal fires when the THREAD that forked the core ends: a
+    client built on a short-lived thread (a loader thread, a pool worker) must keep its core."""
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", EngineProcessClient(EngineConfig(model_path=path, **KW))))
+    t.start()
+    t.join(120)
+    c = box["c"]
+    try:
+        time.sleep(0.5)
+        assert c.is_healthy() and _alive(c.pid)
+        toks, reason = c.add_request("a", [5, 6, 7], greedy(5, ignore_eos=True)).result()
+        assert len(toks) == 5 and str(reason) == "length"
+    finally:
+        c.shutdown(timeout=5)
+    assert not _alive(c.pid)
