@@ -18,6 +18,7 @@ never initializes CUDA.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -178,7 +179,7 @@ class EngineProcessClient(OutputSinks):
         """The core's stats, fresh (a round trip, behind the outputs already sent); the last
         ones seen when the core is gone or does not answer within STATS_TIMEOUT_S."""
         if not self.is_healthy() or threading.current_thread() is self._reader:
-            return self._last_stats  # (a callback asking would wait for its own thread's reply)
+            return self._take_last_stats()  # (a callback asking would wait for its own thread's reply)
         seq = next(self._stats_seq)
         slot = [threading.Event(), None]
         with self._lock:
@@ -191,7 +192,15 @@ class EngineProcessClient(OutputSinks):
         finally:
             with self._lock:
                 self._stats_waiting.pop(seq, None)
-        return slot[1] if slot[1] is not None else self._last_stats
+        return slot[1] if slot[1] is not None else self._take_last_stats()
+
+    def _take_last_stats(self) -> EngineStats:
+        """The last stats seen, with the idle gaps nobody was given yet (each is given once:
+        the core takes them, and the caller observes them into a histogram)."""
+        with self._lock:
+            st = self._last_stats
+            self._last_stats = dataclasses.replace(st, gpu_idle_gap_us=[])
+        return st
 
     def backlog(self) -> int:
         return 0  # the core's writer merges what the reader has not taken into its next message
@@ -294,11 +303,15 @@ class EngineProcessClient(OutputSinks):
         kind = msg[0]
         if kind == wire.STATS:
             _, seq, stats = msg
-            self._last_stats = stats
             with self._lock:
+                # gaps of a reply nobody waited for (timed out) go with the next answer
+                stats.gpu_idle_gap_us = self._last_stats.gpu_idle_gap_us + list(stats.gpu_idle_gap_us or ())
                 slot = self._stats_waiting.get(seq)
+                if slot is not None:
+                    slot[1] = stats
+                self._last_stats = dataclasses.replace(stats, gpu_idle_gap_us=[] if slot is not None else
+                                                       stats.gpu_idle_gap_us)
             if slot is not None:
-                slot[1] = stats
                 slot[0].set()
         elif kind == wire.DIED:
             self.error = wire.EngineCoreError(msg[1])

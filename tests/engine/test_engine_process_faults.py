@@ -159,3 +159,42 @@ def test_core_outlives_the_thread_that_built_the_client(path):
     finally:
         c.shutdown(timeout=5)
     assert not _alive(c.pid)
+
+
+GAPS = textwrap.dedent("""
+    # Loaded by the engine core only: every stats() carries fresh GPU idle gaps, as on CUDA
+    # (taken once: handoff.take_gaps_us).
+    import backend_lib.engine as _e
+    _stats = _e.LLMEngine.stats
+    def _with_gaps(self):
+        st = _stats(self)
+        st.gpu_idle_gap_us = [7.0, 9.0]
+        return st
+    _e.LLMEngine.stats = _with_gaps
+""")
+
+
+def test_stats_hand_out_each_idle_gap_once(path, tmp_path, monkeypatch):
+    """gpu_idle_gap_us are taken (each exported once, into a histogram): the stats() given when
+    the core does not answer (timed out, or gone) must not repeat the gaps already given."""
+    from backend_lib import engine_client
+    (tmp_path / "sitecustomize.py").write_text(GAPS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(engine_client, "STATS_TIMEOUT_S", 0.5)
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    try:
+        assert c.stats().gpu_idle_gap_us == [7.0, 9.0]
+        assert c.stats().gpu_idle_gap_us == [7.0, 9.0]  # fresh ones, from the core
+        os.kill(c.pid, signal.SIGSTOP)
+        late = c.stats()  # timed out: the last stats, without the gaps already handed out
+        assert late.gpu_idle_gap_us == [] and late.kv_blocks_total > 0
+        os.kill(c.pid, signal.SIGCONT)
+        time.sleep(0.5)   # the late reply arrives: its gaps were handed to nobody yet
+        assert c.stats().gpu_idle_gap_us == [7.0, 9.0, 7.0, 9.0]
+        os.kill(c.pid, signal.SIGKILL)
+        _wait(lambda: not c.is_healthy(), 10)
+        gone = [c.stats() for _ in range(3)]
+        assert [g.gpu_idle_gap_us for g in gone] == [[], [], []]
+        assert gone[0].kv_blocks_total > 0
+    finally:
+        c.shutdown(timeout=5)
