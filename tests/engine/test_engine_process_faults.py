@@ -198,3 +198,22 @@ def test_stats_hand_out_each_idle_gap_once(path, tmp_path, monkeypatch):
         assert gone[0].kv_blocks_total > 0
     finally:
         c.shutdown(timeout=5)
+
+
+def test_sigterm_to_the_core_is_ignored(path):
+    """A SIGTERM sent to the whole process group or cgroup (systemd's KillMode=control-group,
+    `kill -TERM -PGID`) reaches the core too; Triton's stubs ignore it and the server drains
+    its requests. The core must not die under the stub mid-drain (every stream would fail with
+    'killed by SIGTERM'): the stub decides when the engine stops, as for SIGINT."""
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    try:
+        outs = []
+        s = c.add_request("in-flight", [5, 6, 7], greedy(200, ignore_eos=True), callback=outs.append)
+        _wait(lambda: len(outs) > 2, 30)
+        os.kill(c.pid, signal.SIGTERM)
+        _wait(lambda: outs and outs[-1].finished, 60)
+        assert str(outs[-1].finish_reason) == "length" and sum(len(o.new_token_ids) for o in outs) == 200
+        assert c.is_healthy() and s is not None
+    finally:
+        c.shutdown(timeout=5)
+    assert not _alive(c.pid)
