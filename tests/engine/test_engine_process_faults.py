@@ -101,7 +101,7 @@ def test_wedged_core_is_killed_and_fails_requests(path, monkeypatch):
     wedged: add_request raises instead of blocking Triton's execute thread forever, every
     request ends with an error, the client turns unhealthy, the core is killed."""
     from backend_lib import engine_client
-    monkeypatch.setattr(engine_client, "SEND_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(engine_client, "SEND_TIMEOUT_S", 4.0)  # > the 1 s polls of _fill_until_blocked
     c = EngineProcessClient(EngineConfig(model_path=path, **KW))
     finals: dict = {}
     try:
