@@ -6,8 +6,9 @@ for that GIL and the GPU idles. Here the loop runs in `python -m backend_lib.eng
 (vLLM's AsyncLLM / EngineCore split) and this process only validates, forwards and delivers.
 
 Threads here: the callers' (add_request / abort / stats send one small message each) and ONE
-reader thread that receives the core's messages (each holds every engine step finished since
-the core's last write) and runs the callbacks, in order, as AsyncEngine's dispatcher does.
+reader thread that forks the core, then receives the core's messages (each holds every engine
+step finished since the core's last write) and runs the callbacks, in order, as AsyncEngine's
+dispatcher does.
 
 Lifecycle: the child is started with this process's venv python (not sys.executable, which
 inside Triton's stub is the stub binary), dies with this process (parent-death signal, and EOF
@@ -17,11 +18,14 @@ never initializes CUDA.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -41,6 +45,10 @@ logger = logging.getLogger("backend_lib")
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # the folder holding backend_lib/
 STATS_TIMEOUT_S = 2.0   # a stats() call waits this long for the core's reply, then gives the last one
+# The core's reader thread does nothing but take commands off the socket: a send blocked this
+# long on a full socket means the core is wedged (stopped, or stuck holding its GIL). It is
+# then killed and every request fails, rather than Triton's execute thread blocking for ever.
+SEND_TIMEOUT_S = 30.0
 # Messages the reader takes at once before delivering: enough to merge a backlog, bounded so
 # that the first tokens of a long backlog are not held back.
 MAX_MESSAGES_PER_PASS = 64
@@ -59,10 +67,13 @@ class EngineProcessClient(OutputSinks):
         self._send_lock = threading.Lock()
         self._stopping = False
         self._stopped_cleanly = False
+        self._ready = False  # the start-up handshake succeeded: the reader thread reads
         self._stats_seq = itertools.count()
         self._stats_waiting: dict[int, list] = {}   # seq -> [Event, EngineStats | None]
         self._last_stats = EngineStats()
         ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S),
+                                                                         int(SEND_TIMEOUT_S % 1 * 1e6)))
         env = dict(os.environ)
         # The core shares the machine's cores with this process's sender. Spinning OpenMP
         # workers (Intel OpenMP spins 200 ms after each parallel region) starve it: on 2 cores
@@ -71,12 +82,20 @@ class EngineProcessClient(OutputSinks):
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                                   if p and p != _PACKAGE_PARENT])
-        try:
-            self._proc = subprocess.Popen(
-                [python_executable(), "-m", "backend_lib.engine_core", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, close_fds=True)
-        finally:
-            theirs.close()
+        argv = [python_executable(), "-m", "backend_lib.engine_core", str(theirs.fileno()), str(os.getpid())]
+        # The core's parent-death signal fires when the THREAD that forked it ends, not this
+        # process: the reader thread, which lives as long as the core, forks it (a client built
+        # on a short-lived thread would otherwise lose its core with that thread).
+        self._spawned, self._handshake = threading.Event(), threading.Event()
+        self._spawn_error: Optional[BaseException] = None
+        self._reader = threading.Thread(target=self._reader_thread, args=(argv, theirs.fileno(), env),
+                                        name="engine-proc-reader", daemon=True)
+        self._reader.start()
+        self._spawned.wait()
+        theirs.close()
+        if self._spawn_error is not None:
+            ours.close()
+            raise self._spawn_error
         self.pid = self._proc.pid
         self._conn = Connection(ours.detach())
         # A client dropped without shutdown() (or an interpreter exit) must not leave the core running.
@@ -87,12 +106,13 @@ class EngineProcessClient(OutputSinks):
         except BaseException:
             self._finalizer()
             self._conn.close()
+            self._handshake.set()  # the reader thread ends without reading
             raise
         self.vocab_size = info["vocab_size"]
         self.max_model_len = info["max_model_len"]
         self.eos_token_ids = info["eos_token_ids"]
-        self._reader = threading.Thread(target=self._reader_main, name="engine-proc-reader", daemon=True)
-        self._reader.start()
+        self._ready = True
+        self._handshake.set()
 
     def _await_ready(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -159,7 +179,7 @@ class EngineProcessClient(OutputSinks):
         """The core's stats, fresh (a round trip, behind the outputs already sent); the last
         ones seen when the core is gone or does not answer within STATS_TIMEOUT_S."""
         if not self.is_healthy() or threading.current_thread() is self._reader:
-            return self._last_stats  # (a callback asking would wait for its own thread's reply)
+            return self._take_last_stats()  # (a callback asking would wait for its own thread's reply)
         seq = next(self._stats_seq)
         slot = [threading.Event(), None]
         with self._lock:
@@ -172,7 +192,15 @@ class EngineProcessClient(OutputSinks):
         finally:
             with self._lock:
                 self._stats_waiting.pop(seq, None)
-        return slot[1] if slot[1] is not None else self._last_stats
+        return slot[1] if slot[1] is not None else self._take_last_stats()
+
+    def _take_last_stats(self) -> EngineStats:
+        """The last stats seen, with the idle gaps nobody was given yet (each is given once:
+        the core takes them, and the caller observes them into a histogram)."""
+        with self._lock:
+            st = self._last_stats
+            self._last_stats = dataclasses.replace(st, gpu_idle_gap_us=[])
+        return st
 
     def backlog(self) -> int:
         return 0  # the core's writer merges what the reader has not taken into its next message
@@ -189,8 +217,8 @@ class EngineProcessClient(OutputSinks):
         deadline = time.monotonic() + timeout
         with self._lock:
             self._stopping = True
-        try:
-            self._send([(wire.STOP,)])
+        try:  # within the timeout: another caller may be blocked sending to a wedged core
+            self._send([(wire.STOP,)], timeout=max(0.0, deadline - time.monotonic()))
         except OSError:
             pass
         try:
@@ -206,9 +234,40 @@ class EngineProcessClient(OutputSinks):
         self._finalizer.detach()
 
     # ---- reader thread ----------------------------------------------------------------------
-    def _send(self, cmds: list) -> None:
-        with self._send_lock:
+    def _send(self, cmds: list, timeout: Optional[float] = None) -> None:
+        """Raises OSError when the core is gone or wedged (SEND_TIMEOUT_S), or TimeoutError
+        (an OSError) when `timeout` is given and the socket does not take the message in time."""
+        if not self._send_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError("engine process socket busy")
+        try:
+            if timeout is not None and not select.select([], [self._conn], [], timeout)[1]:
+                raise TimeoutError("engine process socket full")
             self._conn.send(cmds)
+        except BlockingIOError:  # SO_SNDTIMEO: the core took nothing for SEND_TIMEOUT_S
+            self._core_wedged()
+            raise
+        finally:
+            self._send_lock.release()
+
+    def _core_wedged(self) -> None:
+        if self.error is None:
+            self.error = wire.EngineCoreError(f"EngineProcessWedged('engine process (pid {self.pid}) is wedged: "
+                                              f"it took no command for {SEND_TIMEOUT_S:g} s')")
+        logger.error("engine process (pid %d) took no command for %g s; killing it", self.pid, SEND_TIMEOUT_S)
+        _kill(self._proc)  # the reader then sees EOF and fails every request with self.error
+
+    def _reader_thread(self, argv: list, fd: int, env: dict) -> None:
+        """Fork the core, wait for the constructor's start-up handshake, then read."""
+        try:
+            self._proc = subprocess.Popen(argv, pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException as e:  # noqa: BLE001 - raised by the constructor
+            self._spawn_error = e
+            return
+        finally:
+            self._spawned.set()
+        self._handshake.wait()
+        if self._ready:
+            self._reader_main()
 
     def _reader_main(self) -> None:
         conn = self._conn
@@ -244,15 +303,22 @@ class EngineProcessClient(OutputSinks):
         kind = msg[0]
         if kind == wire.STATS:
             _, seq, stats = msg
-            self._last_stats = stats
             with self._lock:
+                # gaps of a reply nobody waited for (timed out) go with the next answer
+                stats.gpu_idle_gap_us = self._last_stats.gpu_idle_gap_us + list(stats.gpu_idle_gap_us or ())
                 slot = self._stats_waiting.get(seq)
+                if slot is not None:
+                    slot[1] = stats
+                self._last_stats = dataclasses.replace(stats, gpu_idle_gap_us=[] if slot is not None else
+                                                       stats.gpu_idle_gap_us)
             if slot is not None:
-                slot[1] = stats
                 slot[0].set()
         elif kind == wire.DIED:
             self.error = wire.EngineCoreError(msg[1])
             logger.error("engine process (pid %d) loop died: %s", self.pid, msg[1])
+            # Nothing follows DIED but the core's clean-up (LLMEngine.close: pipeline stages,
+            # process groups), which may be slow or hang: fail every request now, as in-process.
+            self._fail_all(FinishReason.ERROR, f"engine failed: {self.error!r}")
         elif kind == wire.STOPPED:
             self._stopped_cleanly = True
 

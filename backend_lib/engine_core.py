@@ -8,8 +8,9 @@ FD. Threads here:
   - reader: receives the parent's command lists into a queue (blocks in recv, GIL released);
   - writer: sends everything the loop produced since its last write as ONE message.
 The process ends when the parent says stop, when the engine loop dies (after telling the
-parent), or when the parent is gone: the socket closes (reader sees EOF) or, on Linux, the
-kernel's parent-death signal (SIGKILL) fires.
+parent), when the parent kills it, or when the parent is gone: the socket closes (reader sees
+EOF) or, on Linux, the kernel's parent-death signal (SIGKILL) fires. SIGINT and SIGTERM are
+ignored (they reach process groups; the parent decides).
 """
 from __future__ import annotations
 
@@ -174,9 +175,13 @@ def serve(conn: Connection) -> int:
 def main(argv: list[str]) -> int:
     fd, parent_pid = int(argv[0]), int(argv[1])
     _die_with_parent(parent_pid)
-    # Ctrl-C reaches the whole process group: the parent decides when the engine stops (it
-    # aborts the requests so that each gets its final response), not the signal.
+    # Ctrl-C reaches the whole process group, and a SIGTERM to the group or cgroup (systemd's
+    # KillMode=control-group) too, while Triton's stubs ignore both and the server drains its
+    # requests: the parent decides when the engine stops (it aborts the requests so that each
+    # gets its final response), not the signal. The core still ends with its parent (EOF, and
+    # the parent-death SIGKILL) and on the parent's kill.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     try:
         return serve(conn)

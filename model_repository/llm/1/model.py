@@ -237,6 +237,12 @@ class TritonPythonModel:
                     for ctx in ctxs[:added]:
                         self._cancel(ctx)
                     self.logger.log_warn(f"[llm] batch row {added} rejected; aborting the {added} row(s) before it")
+                # The rows were in _inflight (cancellation polls, an unload's abort-all) before the
+                # engine had them, and the engine ignores an abort of an id it does not know yet:
+                # abort again now that it has them.
+                if self._unloading or any(c.cancelled for c in ctxs):
+                    for ctx in ctxs[:added]:
+                        self.engine.abort(ctx.rid)
             except (InputError, ValueError, RuntimeError) as e:
                 self.metrics.request_rejected()
                 sender.send(_error_response(str(e), bls), flags=FINAL)
