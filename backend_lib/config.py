@@ -37,6 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True      # reuse the KV of cached prompt prefixes (full blocks)
     async_token_handoff: str = "auto"       # auto | on | off
     step_submission: str = "inline"         # inline | thread: who launches planned steps (submission.py)
+    step_lookahead: int = 1                 # 1 | 2: steps launched ahead of the one whose tokens the host reads (async only)
     enable_cuda_graph: bool = True
     cuda_graph_max_batch: int = 256         # largest captured decode bucket
     cuda_graph_mixed: bool = True           # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py; with enable_cuda_graph)
@@ -71,6 +72,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 fail(name, f"must be an integer >= {lo}")
+        if self.step_lookahead not in (1, 2) or isinstance(self.step_lookahead, bool):
+            fail("step_lookahead", "must be 1 or 2")
         if self.step_submission == "thread" and self.pipeline_parallel_size > 1:
             fail("step_submission", "'thread' is for the single-GPU engine (pipeline stages launch their own steps)")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):

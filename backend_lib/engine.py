@@ -95,8 +95,10 @@ class LLMEngine:
         self._close_submission = weakref.finalize(self, self.submission.close)
         # (step, ticket): submission.launched(ticket) is the step's StepHandle.
         self._inflight: deque[tuple[SchedulerOutput, object]] = deque()
-        # Pipeline parallel: up to one step in flight per stage.
-        self._max_inflight = max(1, cfg.pipeline_parallel_size) if self.async_enabled else 0
+        # Steps launched but unread: step_lookahead (1: n+1 launches before n is read; 2: n+2
+        # too, so a slow host step never leaves the device without queued work); pipeline
+        # parallel, up to one per stage.
+        self._max_inflight = max(cfg.step_lookahead, cfg.pipeline_parallel_size) if self.async_enabled else 0
         self._seed_rng = random.Random(cfg.seed)
         self._parents: dict[str, _Parent] = {}
         self._async_steps = 0

@@ -57,7 +57,7 @@ class _Recorder:
     steps were planned while an earlier step was still unread (the overlap)."""
 
     def __init__(self, eng):
-        self.plans = self.plans_with_inflight = 0
+        self.plans = self.plans_with_inflight = self.plans_with_two_inflight = 0
         self.launch_threads: list[str] = []
         runner = eng.runner
         plan, launch = runner.plan, runner.launch
@@ -65,6 +65,7 @@ class _Recorder:
         def recording_plan(sched, eos):
             self.plans += 1
             self.plans_with_inflight += bool(eng._inflight)
+            self.plans_with_two_inflight += len(eng._inflight) >= 2
             return plan(sched, eos)
 
         def recording_launch(p):
@@ -100,6 +101,11 @@ def test_knob_default_parsing_and_errors():
         EngineConfig.from_parameters({"step_submission": "async"})
     with pytest.raises(ValueError, match="EngineConfig.step_submission"):
         EngineConfig(step_submission="thread", pipeline_parallel_size=2)
+    assert EngineConfig().step_lookahead == 1
+    assert EngineConfig.from_parameters({"step_lookahead": "2"}).step_lookahead == 2
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="EngineConfig.step_lookahead"):
+            EngineConfig(step_lookahead=bad)
 
 
 # ---- token identity ----------------------------------------------------------------------------
@@ -245,6 +251,44 @@ def test_lagging_launches_graph_churn_equals_inline(tiny_llama_path, monkeypatch
     (lag,) = lags
     assert lag.lagged >= 0.6 * lag.launches and runs["thread"][2] > 30
     assert runs["thread"] == runs["inline"]
+
+
+def test_lookahead_2_randomized_workload_thread_equals_inline(tiny_llama_path, workload, closing):  # noqa: F811
+    """Two steps launched ahead of the one being read: every request still gets exactly its
+    reference tokens (aborted ones a prefix), and thread runs the same steps as inline."""
+    groups, ref = workload
+    specs = groups[16]
+    runs = {}
+    for mode in ("inline", "thread"):
+        eng = make_engine(tiny_llama_path, max_num_batched_tokens=16, step_lookahead=2, **ENGINE_KW, **MODES[mode])
+        closing(eng)
+        rec = _Recorder(eng)
+        lag = _LaggingLaunches(eng) if mode == "thread" else None
+        info = run_specs(eng, specs, order_rng=random.Random(16), on_step=check_block_invariants)
+        _check(specs, ref, info)
+        assert rec.plans_with_two_inflight >= 0.5 * rec.plans, (rec.plans_with_two_inflight, rec.plans)
+        assert info.stats.num_preemptions > 0 and info.aborts_with_inflight >= 3
+        runs[mode] = {rid: (r.tokens, r.finish_reason, r.num_outputs) for rid, r in info.results.items()}
+    assert lag.lagged >= 0.6 * lag.launches
+    assert runs["thread"] == runs["inline"]
+
+
+def test_lookahead_2_graph_churn_equals_reference(tiny_llama_path):
+    budget, seed = 9, 3
+    specs = _churn_specs(seed, 40)
+    probe = make_engine(tiny_llama_path, max_model_len=64, max_num_batched_tokens=256, max_num_seqs=64)
+    ref = {s.rid: o.token_ids for s, o in zip(specs, probe.generate([s.prompt for s in specs],
+                                                                   [s.params for s in specs]))}
+    results = {}
+    for mode in ("inline", "thread"):
+        info, log = _run_churn(tiny_llama_path, "on", specs, budget, seed, cuda_graph_mixed=True,
+                               step_submission=mode, step_lookahead=2)
+        for s in specs:
+            exp, reason = expected_from_reference(ref[s.rid], s.params)
+            assert (info.results[s.rid].tokens, info.results[s.rid].finish_reason) == (exp, reason), (mode, s.rid)
+        assert info.stats.num_preemptions >= 5 and log.graphs.steps_reused > 30
+        results[mode] = {rid: r.tokens for rid, r in info.results.items()}
+    assert results["thread"] == results["inline"]
 
 
 PENALTIES = [dict(), dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=0.4),
