@@ -440,3 +440,25 @@ def test_close_shutdown_and_drop_leave_no_thread():
     assert set(_submission_threads()) == before
     eng3.close()
     assert set(_submission_threads()) == before
+
+
+def test_bench_host_loop_submission_table_smoke(tmp_path, capsys):
+    """bench/host_loop.py --submission inline,thread --lookahead 1,2 --device-us: one result per
+    configuration, the thread mode's launches counted on the submission thread."""
+    import json
+    from bench import host_loop
+    out = tmp_path / "host_loop.json"
+    before = set(_submission_threads())
+    host_loop.main(["--submission", "inline,thread", "--lookahead", "1,2", "--device-us", "50", "--batches", "1,4",
+                    "--steps", "10", "--warmup", "2", "--max-model-len", "64", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert [(r["submission"], r["lookahead"]) for r in res.values()] == [("inline", 1), ("inline", 2),
+                                                                          ("thread", 1), ("thread", 2)]
+    for r in res.values():
+        assert [row["batch"] for row in r["rows"]] == [1, 4]
+        for row in r["rows"]:
+            assert row["tokens_per_step"] == row["batch"] and 0.0 <= row["device_idle_pct"] <= 100.0
+            assert (row["submit_thread_cpu_us"] > 0) == (r["submission"] == "thread")
+            assert row["wall_us"] >= 50.0 * 0.9  # the emulated device paces the loop
+    assert "| 4 | thread | 2 |" in capsys.readouterr().out
+    assert set(_submission_threads()) == before  # the bench closed its engines
