@@ -110,13 +110,17 @@ class _EmulatedDevice:
         self.step_s = device_us / 1e6
         self.busy_until: float | None = None
         self.idle_s = 0.0
+        self.counted_from = 0.0  # idle time before this (untimed steps) is not counted
+
+    def start_window(self) -> None:
+        self.idle_s, self.counted_from = 0.0, time.perf_counter()
 
     def event(self, timing: bool = False) -> _EmulatedEvent:
         """Called when a step is launched (TokenHandoff.publish): queue it, return its event."""
         now = time.perf_counter()
         if self.busy_until is None or now >= self.busy_until:
             if self.busy_until is not None:
-                self.idle_s += now - self.busy_until
+                self.idle_s += max(0.0, now - max(self.busy_until, self.counted_from))
             start = now
         else:
             start = self.busy_until
@@ -205,7 +209,8 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     sub_clock = _submission_thread_clock(eng)
     sub0 = time.clock_gettime(sub_clock) if sub_clock is not None else 0.0
     device = getattr(eng, "_emulated_device", None)
-    idle0 = device.idle_s if device is not None else 0.0
+    if device is not None:
+        device.start_window()
     t0 = time.perf_counter()
     if prof:
         prof.enable()
@@ -221,7 +226,7 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
         prof.disable()
     wall = time.perf_counter() - t0
     sub_cpu = time.clock_gettime(sub_clock) - sub0 if sub_clock is not None else 0.0
-    device_idle = (device.idle_s - idle0) / wall if device is not None else float("nan")
+    device_idle = device.idle_s / wall if device is not None else float("nan")
     s1 = eng.stats()
     gen = s1.generation_tokens_total - s0.generation_tokens_total
     wait = s1.wait_time_s - s0.wait_time_s
