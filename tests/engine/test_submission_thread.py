@@ -26,7 +26,8 @@ from test_decode_graphs import _churn_specs, _run_churn
 
 MODES = {"sync": dict(async_token_handoff="off"),
          "inline": dict(async_token_handoff="on"),
-         "thread": dict(async_token_handoff="on", step_submission="thread")}
+         "thread": dict(async_token_handoff="on", step_submission="thread"),
+         "thread_sync": dict(async_token_handoff="off", step_submission="thread")}
 
 
 def _submission_threads() -> list[threading.Thread]:
@@ -113,8 +114,8 @@ def test_knob_default_parsing_and_errors():
 @pytest.mark.parametrize("budget", [4, 16])
 def test_randomized_workload_thread_equals_inline_and_sync(tiny_llama_path, workload, budget, closing):  # noqa: F811
     """test_async_vs_sync's workload (staggered arrivals, stops, min_tokens, seeded sampling,
-    aborts in scrambled order, preemption): thread runs the same steps as inline, so every
-    request's stream is identical, aborted ones included."""
+    aborts in scrambled order, preemption): thread runs the same steps as inline (and with the
+    async handoff off, as sync), so every request's stream is identical, aborted ones included."""
     groups, ref = workload
     specs = groups[budget]
     runs = {}
@@ -130,7 +131,8 @@ def test_randomized_workload_thread_equals_inline_and_sync(tiny_llama_path, work
     assert set(runs["inline"][1].launch_threads) == {"MainThread"}
     streams = {m: {rid: (r.tokens, r.finish_reason, r.num_outputs) for rid, r in info.results.items()}
                for m, (info, _) in runs.items()}
-    assert streams["thread"] == streams["inline"]
+    assert streams["thread"] == streams["inline"] and streams["thread_sync"] == streams["sync"]
+    assert set(runs["thread_sync"][1].launch_threads) == {THREAD_NAME} and runs["thread_sync"][1].plans_with_inflight == 0
     assert (thread.steps, thread.stats.num_preemptions) == (inline.steps, inline.stats.num_preemptions)
     if budget >= 16:
         assert thread.stats.num_preemptions > 0
@@ -171,6 +173,7 @@ def test_graph_churn_forced_preemptions_thread_equals_inline(tiny_llama_path, bu
     assert thread_log.graphs.steps_reused == inline_log.graphs.steps_reused > 30
     assert thread_log.entries == inline_log.entries and thread_log.host_id_then_same_rows() >= 1
     assert {r: x.tokens for r, x in thread.results.items()} == {r: x.tokens for r, x in inline.results.items()}
+    assert runs["thread_sync"][1].entries == runs["sync"][1].entries
 
 
 class _LaggingLaunches:
@@ -318,7 +321,7 @@ def test_logprobs_penalties_seeded_sampling_and_n_thread_equals_inline(path, gra
     assert len(outs["thread"]) == 15 and sum(o[1] is not None for o in outs["thread"]) >= 8
     assert all(len(o[0]) == 9 for o in outs["thread"])
     # Same programs on the same inputs: bit-identical ids and logprobs.
-    assert outs["thread"] == outs["inline"]
+    assert outs["thread"] == outs["inline"] and outs["thread_sync"] == outs["sync"]
     assert [o[0] for o in outs["thread"]] == [o[0] for o in outs["sync"]]
 
 
