@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -84,8 +84,7 @@ class EagerGraph:
         self.out.copy_(self._program())
 
 
-@dataclass(frozen=True)
-class DecodeGraphPlan:
+class DecodeGraphPlan(NamedTuple):
     """A planned decode graph step: the graph's (bucket, variant), and its host metadata
     ([5, bucket] int64), or None to replay on the saved metadata (positions advanced)."""
     key: tuple

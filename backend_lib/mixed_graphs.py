@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -137,8 +136,7 @@ class MixedMeta:
 MixedProgram = Callable[[MixedMeta, bool, bool, bool], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class MixedGraphPlan:
+class MixedGraphPlan(NamedTuple):
     """A planned mixed graph step: the graph's (tokens, rows, variant) and its flat host
     metadata (MixedMeta.host_flat, padded to the bucket)."""
     key: tuple
