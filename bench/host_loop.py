@@ -27,6 +27,9 @@ engine each). In thread mode the engine thread's wait includes the submission th
 launch (on CPU the "device" finishes at once), so compare wall µs/step (the loop's rate)
 and engine + submission thread CPU µs/step, not host µs alone.
 
+On CUDA the "device idle %" column is the sum of the GPU's idle gaps between the timed steps
+(CUDA events, EngineStats.gpu_idle_gap_us) over their wall time.
+
 --device-us N (CPU): an emulated device that takes N µs a step, serially in wall time (a step
 launched at t runs from max(t, the previous step's end)); its token event completes at the
 step's end and the host sleeps on it (GIL released), as it would wait on a GPU. The table
@@ -226,8 +229,15 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
         prof.disable()
     wall = time.perf_counter() - t0
     sub_cpu = time.clock_gettime(sub_clock) - sub0 if sub_clock is not None else 0.0
-    device_idle = device.idle_s / wall if device is not None else float("nan")
     s1 = eng.stats()
+    # Device idle share: the emulated device's (CPU), or the GPU's idle gaps between the
+    # timed steps from CUDA events (EngineStats.gpu_idle_gap_us, drained by s0 above).
+    if device is not None:
+        device_idle = device.idle_s / wall
+    elif s1.gpu_idle_gap_us:
+        device_idle = sum(s1.gpu_idle_gap_us) / 1e6 / wall
+    else:
+        device_idle = float("nan")
     gen = s1.generation_tokens_total - s0.generation_tokens_total
     wait = s1.wait_time_s - s0.wait_time_s
     n = args.steps
