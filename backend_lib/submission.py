@@ -13,6 +13,13 @@ A launch that raises fails its step and every step queued behind it (their plans
 ran); the engine thread gets the error from its next submit or launched() and LLMEngine.step
 raises it, so AsyncEngine ends the requests with an error and goes unhealthy; nothing waits
 forever on a thread that is gone.
+
+The launch is Python code, so the submission thread needs the GIL: it runs while the engine
+thread is blocked (its wait on a step's event) or once sys.getswitchinterval() has passed.
+When the engine thread is the bottleneck (host-bound steps) it rarely blocks, launches then
+happen later than inline ones would, and thread mode loses (bench/host_loop.py --device-us on
+CPU); what it can win is the GIL-free part of a launch (graph replay, copies) overlapping the
+engine thread's Python. Hence inline stays the default until a GPU run says otherwise.
 """
 from __future__ import annotations
 
