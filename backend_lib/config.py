@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 _DEVICES = ("cpu", "cuda")
 _DTYPES = ("float32", "float16", "bfloat16")
 _TRISTATE = ("auto", "on", "off")
+_SUBMISSION = ("inline", "thread")
 
 
 @dataclass
@@ -35,6 +36,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True      # reuse the KV of cached prompt prefixes (full blocks)
     async_token_handoff: str = "auto"       # auto | on | off
+    step_submission: str = "inline"         # inline | thread: who launches planned steps (submission.py)
+    step_lookahead: int = 1                 # 1 | 2: steps launched ahead of the one whose tokens the host reads (async only)
     enable_cuda_graph: bool = True
     cuda_graph_max_batch: int = 256         # largest captured decode bucket
     cuda_graph_mixed: bool = True           # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py; with enable_cuda_graph)
@@ -61,12 +64,18 @@ class EngineConfig:
             fail("load_format", "must be 'safetensors' or 'dummy'")
         if self.async_token_handoff not in _TRISTATE:
             fail("async_token_handoff", f"must be one of {_TRISTATE}")
+        if self.step_submission not in _SUBMISSION:
+            fail("step_submission", f"must be one of {_SUBMISSION}")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("block_size", 1),
                          ("pipeline_parallel_size", 1), ("max_model_len", 0), ("num_kv_blocks", 0),
                          ("cuda_graph_max_batch", 1), ("max_stop_token_ids", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 fail(name, f"must be an integer >= {lo}")
+        if self.step_lookahead not in (1, 2) or isinstance(self.step_lookahead, bool):
+            fail("step_lookahead", "must be 1 or 2")
+        if self.step_submission == "thread" and self.pipeline_parallel_size > 1:
+            fail("step_submission", "'thread' is for the single-GPU engine (pipeline stages launch their own steps)")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             fail("gpu_memory_utilization", "must be in (0, 1]")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_cuda_graph", "cuda_graph_mixed"):

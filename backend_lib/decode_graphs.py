@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -84,6 +84,13 @@ class EagerGraph:
         self.out.copy_(self._program())
 
 
+class DecodeGraphPlan(NamedTuple):
+    """A planned decode graph step: the graph's (bucket, variant), and its host metadata
+    ([5, bucket] int64), or None to replay on the saved metadata (positions advanced)."""
+    key: tuple
+    meta: Optional[torch.Tensor]
+
+
 @dataclass
 class CapturedGraph:
     graph: Any            # torch.cuda.CUDAGraph or EagerGraph
@@ -110,7 +117,7 @@ def capture_graph(program: Callable[[], torch.Tensor], meta: Any, out_shape: tup
 # program(meta, all_greedy, use_masks, logprobs) -> sampled ids [B] (or [B, C] with logprobs).
 # Contract: the program ends by advancing meta.pos of its real rows by one, so that the
 # metadata then describes the same rows' next decode step (what the reuse in
-# DecodeGraphs.launch relies on).
+# DecodeGraphs.plan relies on).
 DecodeProgram = Callable[[DecodeMeta, bool, bool, bool], torch.Tensor]
 
 
@@ -143,35 +150,50 @@ class DecodeGraphs:
         """A step ran outside the graphs: no saved metadata describes the previous step."""
         self._reusable = None
 
-    def launch(self, rows: Sequence, greedy: bool, masks: bool,
-               upload: Callable[[list[list[int]]], torch.Tensor],
-               logprobs: bool = False, slots: Optional[Sequence[int]] = None,
-               all_relay: Optional[bool] = None) -> tuple[torch.Tensor, tuple]:
-        """Replay the graph for a decode-only step of `rows` (len(rows) <= the largest
-        bucket); returns (static output, tensors the step reads that must stay alive).
+    def plan(self, rows: Sequence, greedy: bool, masks: bool, logprobs: bool = False,
+             slots: Optional[Sequence[int]] = None, all_relay: Optional[bool] = None) -> DecodeGraphPlan:
+        """Host side of a decode-only graph step of `rows` (len(rows) <= the largest bucket):
+        which graph, and its metadata or the decision to reuse the saved one. Plans must be
+        replayed in the order they were made (the decision assumes the previous plan ran).
         slots / all_relay: the rows' slots and whether every first input id comes from the
         relay, when the caller already has them (SchedulerOutput keeps both)."""
         bucket = self.bucket(len(rows))
         variant = graph_variant(greedy, masks, logprobs)
-        g = self.graphs[(bucket, variant)]
         key = (bucket, variant, tuple(r.request.slot for r in rows) if slots is None else tuple(slots))
         if all_relay is None:
             all_relay = all(r.first_from_relay for r in rows)
-        keep: tuple = ()
+        meta = None
         if key == self._reusable and all_relay:
             # Only positions changed since the last replay, and the program advanced them.
             self.steps_reused += 1
         else:
-            staged = upload(DecodeMeta.host_rows(rows, bucket - len(rows)))
-            g.meta.packed.copy_(staged)
-            keep = (staged,)
+            meta = torch.tensor(DecodeMeta.host_rows(rows, bucket - len(rows)), dtype=torch.int64)
             self.steps_uploaded += 1
         # Reuse is sound only while every row's input id comes from the relay: a host-known
         # id saved here (a recomputed request's 1-token final prefill chunk) would be fed
         # again on the next step instead of relay[slot].
         self._reusable = key if all_relay else None
+        return DecodeGraphPlan((bucket, variant), meta)
+
+    def replay(self, plan: DecodeGraphPlan, upload: Callable[[torch.Tensor], torch.Tensor]
+               ) -> tuple[torch.Tensor, tuple]:
+        """Device side: upload the planned metadata (if any), replay; returns (static output,
+        tensors the step reads that must stay alive)."""
+        g = self.graphs[plan.key]
+        keep: tuple = ()
+        if plan.meta is not None:
+            staged = upload(plan.meta)
+            g.meta.packed.copy_(staged)
+            keep = (staged,)
         g.graph.replay()
         return g.out, keep
+
+    def launch(self, rows: Sequence, greedy: bool, masks: bool,
+               upload: Callable[[torch.Tensor], torch.Tensor],
+               logprobs: bool = False, slots: Optional[Sequence[int]] = None,
+               all_relay: Optional[bool] = None) -> tuple[torch.Tensor, tuple]:
+        """plan + replay in one call (a step planned and launched on the same thread)."""
+        return self.replay(self.plan(rows, greedy, masks, logprobs, slots, all_relay), upload)
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -6,7 +6,8 @@ n's tokens; step n+1's input ids come from the relay buffer on the device:
 
     schedule(n+1) -> launch(n+1) -> wait(n) -> update(n)
 
-The synchronous step is the same loop with zero steps in flight.
+The synchronous step is the same loop with zero steps in flight. Who launches a step
+(the engine thread, or the submission thread from a plan built here) is submission.py's.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import logging
 import os
 import random
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Sequence
@@ -23,12 +25,12 @@ import torch
 
 from . import envs
 from .config import EngineConfig, resolve_async_handoff
-from .handoff import StepHandle
 from .kv_cache import BlockPool
 from .model_runner import ModelRunner
 from .models.loader import load_hf_config
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams, validate_request
 from .scheduler import Scheduler, SchedulerOutput
+from .submission import make_submission
 
 logger = logging.getLogger("backend_lib")
 logger.setLevel(envs.log_level())
@@ -88,9 +90,15 @@ class LLMEngine:
                                    cfg.enable_chunked_prefill,
                                    BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching))
         self.async_enabled = self.decision.enabled
-        self._inflight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
-        # Pipeline parallel: up to one step in flight per stage.
-        self._max_inflight = max(1, cfg.pipeline_parallel_size) if self.async_enabled else 0
+        self.submission = make_submission(cfg.step_submission, self.runner, self.eos_token_ids)
+        # Stops a submission thread also when the engine is dropped without close().
+        self._close_submission = weakref.finalize(self, self.submission.close)
+        # (step, ticket): submission.launched(ticket) is the step's StepHandle.
+        self._inflight: deque[tuple[SchedulerOutput, object]] = deque()
+        # Steps launched but unread: step_lookahead (1: n+1 launches before n is read; 2: n+2
+        # too, so a slow host step never leaves the device without queued work); pipeline
+        # parallel, up to one per stage.
+        self._max_inflight = max(cfg.step_lookahead, cfg.pipeline_parallel_size) if self.async_enabled else 0
         self._seed_rng = random.Random(cfg.seed)
         self._parents: dict[str, _Parent] = {}
         self._async_steps = 0
@@ -185,7 +193,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.is_empty:
-            self._inflight.append((sched, self.runner.execute(sched, self.eos_token_ids)))
+            self._inflight.append((sched, self.submission.submit(sched)))
             if self.async_enabled:
                 self._async_steps += 1
             else:
@@ -196,8 +204,9 @@ class LLMEngine:
         # Keep at most _max_inflight steps launched but unread; if nothing new was scheduled,
         # drain one so the loop always makes progress.
         while self._inflight and (len(self._inflight) > self._max_inflight or sched.is_empty):
-            done_sched, handle = self._inflight.popleft()
+            done_sched, ticket = self._inflight.popleft()
             w0 = time.perf_counter()
+            handle = self.submission.launched(ticket)
             tokens = handle.get()
             self._wait_s += time.perf_counter() - w0
             self.runner.handoff.collect_gap(handle)
@@ -238,7 +247,9 @@ class LLMEngine:
         return [results[(r, i)] for r, sp in zip(ids, plist) for i in range(sp.n)]
 
     def close(self) -> None:
-        """Stop what the runner owns outside this process (pipeline stages); idempotent."""
+        """Stop the submission thread and what the runner owns outside this process
+        (pipeline stages); idempotent."""
+        self._close_submission()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

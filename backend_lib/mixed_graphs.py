@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -134,8 +134,13 @@ class MixedMeta:
 
 # program(meta, all_greedy, use_masks, logprobs) -> [S] ids (or [S, C] with logprobs).
 MixedProgram = Callable[[MixedMeta, bool, bool, bool], torch.Tensor]
-# The runner's host packing of a step: (tok, row, cu, seq_lens, q_lens) (ModelRunner.pack_mixed).
-PackMixed = Callable[[Any], tuple]
+
+
+class MixedGraphPlan(NamedTuple):
+    """A planned mixed graph step: the graph's (tokens, rows, variant) and its flat host
+    metadata (MixedMeta.host_flat, padded to the bucket)."""
+    key: tuple
+    meta: torch.Tensor
 
 
 class MixedGraphs:
@@ -174,22 +179,29 @@ class MixedGraphs:
                 return t, s
         return None
 
-    def launch(self, sched, greedy: bool, masks: bool, logprobs: bool, pack: PackMixed,
-               upload: Callable[[list], torch.Tensor]) -> Optional[tuple[torch.Tensor, tuple]]:
-        """Replay the graph of a mixed step; (static output, tensors to keep alive), or None
-        when the step must run eagerly (no bucket fits, or its capture failed)."""
-        b = self.bucket(sched.num_tokens, len(sched.rows))
+    def plan(self, num_tokens: int, tok: list, row: list, cu: list, greedy: bool, masks: bool,
+             logprobs: bool) -> Optional[MixedGraphPlan]:
+        """Host side of a mixed step (the runner's pack_mixed lists tok, row, cu): its graph
+        key and padded metadata, or None when no bucket holds it (it runs eagerly)."""
+        num_rows = len(row[0])
+        b = self.bucket(num_tokens, num_rows)
         if b is None:
-            self._eager(f"no bucket holds {len(sched.rows)} rows of {sched.num_tokens} tokens (buckets "
+            self._eager(f"no bucket holds {num_rows} rows of {num_tokens} tokens (buckets "
                         f"up to {self.buckets[-1]})", "no-bucket")
             return None
-        key = (b[0], b[1], graph_variant(greedy, masks, logprobs))
+        meta = torch.tensor(MixedMeta.host_flat(tok, row, cu, b[0], b[1], self.scratch_slot), dtype=torch.int64)
+        return MixedGraphPlan((b[0], b[1], graph_variant(greedy, masks, logprobs)), meta)
+
+    def replay(self, plan: MixedGraphPlan, upload: Callable[[torch.Tensor], torch.Tensor]
+               ) -> Optional[tuple[torch.Tensor, tuple]]:
+        """Device side: replay the planned graph (capturing it on first use); (static output,
+        tensors to keep alive), or None when its capture failed (the step runs eagerly)."""
+        key = plan.key
         g = self.graphs.get(key) or self._capture(key)
         if g is None:
             self._eager(f"the capture of {key} failed: {self.failed[key]}", f"failed-{key}")
             return None
-        tok, row, cu, _, _ = pack(sched)
-        staged = upload(MixedMeta.host_flat(tok, row, cu, b[0], b[1], self.scratch_slot))
+        staged = upload(plan.meta)
         g.meta.packed.copy_(staged)
         g.graph.replay()
         self.steps_graphed += 1

@@ -7,6 +7,11 @@ Persistent per-slot device state (rows indexed by the request's slot, updated on
 request is admitted or its KV grows): block table, relay token, sampling parameters. Each
 step uploads one small packed int64 tensor (row slots, positions, host-known ids) from
 pinned memory; nothing is ever read back except through the TokenHandoff.
+
+A step is planned, then launched: `plan` (host, the engine thread) copies what the step
+needs out of the scheduler's requests into a StepPlan (step_plan.py); `launch` (device)
+runs it from the plan alone, on the engine thread or on the submission thread
+(submission.py).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from .layers.penalties import PenaltyState
 from .layers.sampler import SamplingTensors, native_logits_ok, sample
 from .models.loader import build_model
 from .scheduler import SchedulerOutput
+from .step_plan import MixedPlan, StepPlan, StepProgram, TablePlan
 
 logger = logging.getLogger(__name__)
 
@@ -144,17 +150,26 @@ class ModelRunner:
         return self.decode_graphs.graphs if self.decode_graphs is not None else {}
 
     # ---- persistent table updates (admission, KV growth) --------------------------------
-    def _update_tables(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> None:
-        """Admissions write their slot's sampling state; KV growth writes block-table entries.
-        Each is one packed host tensor and one async H2D copy, then a scatter on device."""
+    def plan_tables(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> Optional[TablePlan]:
+        """Host side of the table updates as tensors (None when the step has none): admissions
+        write their slot's sampling state, KV growth writes block-table entries."""
         up = self.pack_table_updates(sched, eos_ids)
-        if up.ints:
-            ft = self.staging.upload(up.floats, torch.float32)
-            self.apply_admissions(self._to_device(up.ints), ft)
-        if up.history[0]:
-            self.apply_history(self._to_device(up.history))
-        if up.growth[0]:
-            self.apply_growth(self._to_device(up.growth))
+        if not (up.ints or up.history[0] or up.growth[0]):
+            return None
+        return TablePlan(torch.tensor(up.ints, dtype=torch.int64) if up.ints else None,
+                         torch.tensor(up.floats, dtype=torch.float32) if up.ints else None,
+                         torch.tensor(up.history, dtype=torch.int64) if up.history[0] else None,
+                         torch.tensor(up.growth, dtype=torch.int64) if up.growth[0] else None)
+
+    def apply_tables(self, t: TablePlan) -> None:
+        """Device side: each update is one async H2D copy (pinned staging), then a scatter."""
+        upload = self.staging.upload_tensor
+        if t.admissions is not None:
+            self.apply_admissions(upload(t.admissions), upload(t.admission_floats))
+        if t.history is not None:
+            self.apply_history(upload(t.history))
+        if t.growth is not None:
+            self.apply_growth(upload(t.growth))
 
     @property
     def admission_width(self) -> int:
@@ -234,38 +249,52 @@ class ModelRunner:
         self._flags_slots = list(slots)
         return self._flags
 
-    def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
-        """Host int64 rows -> device, asynchronously through the pinned staging ring."""
-        return self.staging.upload(rows)
-
-    # ---- one step -------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- one step: plan (host, engine thread), launch (device, the stream's owner) ----------
     def execute(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> StepHandle:
-        """Launch one step; returns at once (on CUDA) with the handle of its sampled tokens."""
-        self._update_tables(sched, eos_ids)
+        """Plan and launch one step on this thread; returns at once (on CUDA) with the handle
+        of its sampled tokens."""
+        return self.launch(self.plan(sched, eos_ids))
+
+    def plan(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> StepPlan:
+        """Everything the device needs for `sched`, copied out of its requests (step_plan.py):
+        table updates, the sampling program, and which program runs with which metadata."""
+        tables = self.plan_tables(sched, eos_ids)
         rows = sched.rows
         greedy, masks, logprobs = self.step_flags(sched)
-        start = self.handoff.begin_step()
         graphs = self.decode_graphs
-        decode_only = sched.is_decode_only
-        if decode_only and graphs is not None and graphs.bucket(len(rows)) is not None:
-            out, keep = graphs.launch(rows, greedy, masks, self._to_device, logprobs, slots=sched.slots,
-                                      all_relay=sched.all_inputs_from_relay)
-            return self.handoff.publish(out, len(rows), start, keepalive=keep)
+        if sched.is_decode_only and graphs is not None and graphs.bucket(len(rows)) is not None:
+            g = graphs.plan(rows, greedy, masks, logprobs, slots=sched.slots, all_relay=sched.all_inputs_from_relay)
+            return StepPlan(len(rows), greedy, masks, logprobs, tables, StepProgram.DECODE_GRAPH, decode_graph=g)
         if graphs is not None:
             graphs.invalidate()
-        if not decode_only:
-            mixed = self.mixed_graphs
-            launched = None if mixed is None else mixed.launch(sched, greedy, masks, logprobs, self.pack_mixed,
-                                                               self._to_device)
-            if launched is not None:
-                return self.handoff.publish(launched[0], len(rows), start, keepalive=launched[1])
-            sampled, keep = self._mixed_step(sched, greedy, masks, logprobs)
-            return self.handoff.publish(sampled, len(rows), start, keepalive=keep)
-        # Decode larger than every graph bucket (or no graphs): the same program, eagerly.
-        meta = DecodeMeta(self._to_device(DecodeMeta.host_rows(rows, 0)))
-        return self.handoff.publish(self._decode_program(meta, greedy, masks, logprobs), len(rows), start,
-                                    keepalive=(meta.packed,))
+        if sched.is_decode_only:
+            # Decode larger than every graph bucket (or no graphs): the same program, eagerly.
+            meta = torch.tensor(DecodeMeta.host_rows(rows, 0), dtype=torch.int64)
+            return StepPlan(len(rows), greedy, masks, logprobs, tables, StepProgram.DECODE_EAGER, decode_meta=meta)
+        tok, row, cu, seq_lens, q_lens = self.pack_mixed(sched)
+        mixed = self.mixed_graphs
+        g = None if mixed is None else mixed.plan(sched.num_tokens, tok, row, cu, greedy, masks, logprobs)
+        return StepPlan(len(rows), greedy, masks, logprobs, tables, StepProgram.MIXED,
+                        mixed=MixedPlan.build(tok, row, cu, seq_lens, q_lens, g))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """Device side of a planned step: table updates, the step program (graph replay or
+        eager), the D2H copy of its tokens. Reads the plan and device state only, so it may
+        run on another thread than the one that planned it (plans launch in plan order)."""
+        if plan.tables is not None:
+            self.apply_tables(plan.tables)
+        start = self.handoff.begin_step()
+        if plan.program is StepProgram.DECODE_GRAPH:
+            out, keep = self.decode_graphs.replay(plan.decode_graph, self.staging.upload_tensor)
+        elif plan.program is StepProgram.DECODE_EAGER:
+            meta = DecodeMeta(self.staging.upload_tensor(plan.decode_meta))
+            out, keep = self._decode_program(meta, plan.greedy, plan.masks, plan.logprobs), (meta.packed,)
+        else:
+            m = plan.mixed
+            launched = None if m.graph is None else self.mixed_graphs.replay(m.graph, self.staging.upload_tensor)
+            out, keep = launched or self._mixed_step(m, plan.greedy, plan.masks, plan.logprobs)
+        return self.handoff.publish(out, plan.num_rows, start, keepalive=keep)
 
     # ---- decode: one token per row, fixed shapes (the CUDA-graph program) ------------------
     def _decode_program(self, meta: DecodeMeta, greedy: bool, masks: bool, logprobs: bool = False) -> torch.Tensor:
@@ -324,13 +353,11 @@ class ModelRunner:
         return pack_tokens_and_logprobs(raw, tokens, MAX_LOGPROBS) if logprobs else tokens
 
     # ---- mixed / prefill steps (eager) ------------------------------------------------------
-    def _mixed_step(self, sched: SchedulerOutput, greedy: bool, masks: bool, logprobs: bool):
-        tok_h, row_h, cu, seq_lens, q_lens = self.pack_mixed(sched)
-        tok = self._to_device(tok_h)
-        row = self._to_device(row_h)
-        cu_t = self._to_device([cu])[0].to(torch.int32)
+    def _mixed_step(self, m: MixedPlan, greedy: bool, masks: bool, logprobs: bool):
+        tok, row, cu = (self.staging.upload_tensor(t) for t in m.eager_inputs())
+        cu_t = cu.to(torch.int32)
         input_ids = self.gather_input_ids(tok[0], tok[1])
-        p, attn = self.mixed_attention(tok[2], tok[3], row, cu_t, seq_lens, q_lens)
+        p, attn = self.mixed_attention(tok[2], tok[3], row, cu_t, m.seq_lens, m.q_lens)
         hidden = self.model(input_ids, p, self.kv_caches, attn)
         sampled = self._sample_and_relay(hidden[row[2]], row[0], row[3] > 0, row[1], greedy, masks, logprobs)
         return sampled, (tok, row, cu_t)

@@ -6,6 +6,9 @@ waiting on the device, at batch 1/64/256 of steady greedy decode; one table.
     python -m bench.host_loop --device cuda --preset qwen2.5-0.5b --out $OUT/host_loop.json
     # before/after in one run: an older backend_lib (e.g. `git archive <rev> backend_lib | tar -x -C DIR`)
     python -m bench.host_loop --device cuda --preset qwen2.5-0.5b --compare DIR
+    # who launches the steps (EngineConfig.step_submission) and how far ahead (step_lookahead),
+    # one table per configuration + a comparison; --device-us: an emulated device step time
+    python -m bench.host_loop --submission inline,thread --lookahead 1,2 --device-us 100
 
 What is measured: B requests (distinct prompts of --prompt-len + 0..15 tokens, greedy, ignore_eos) are admitted and
 prefilled, a few decode steps run as warm-up, then `--steps` steady decode steps are timed.
@@ -13,10 +16,25 @@ host µs/step = (time in step() - time blocked on step events) / steps, the same
 bench/smoke_gpu.py and EngineStats: p50 and mean over the steps, and the engine thread's
 CPU time per step (time.thread_time; on a shared CPU box it leaves out the time the thread
 was descheduled, which inflates the wall-clock mean). The phase columns (p50, wrapped calls):
-schedule (Scheduler.schedule), launch (ModelRunner.execute: table updates, packing, graph
-replay or eager launch, the D2H copy), update (Scheduler.update: tokens, stops, outputs) and
-the rest of step() (token readback, bookkeeping). µs/row = slope between the first and the
-last batch.
+schedule (Scheduler.schedule), submit (what the engine thread spends getting the step on
+its way: inline, ModelRunner.execute = plan + launch: table updates, packing, graph replay or
+eager launch, the D2H copy; thread, ModelRunner.plan + the queue put), update
+(Scheduler.update: tokens, stops, outputs) and the rest of step() (token readback,
+bookkeeping). µs/row = slope between the first and the last batch.
+
+--submission inline,thread: the same measurement for each step_submission mode (a fresh
+engine each). In thread mode the engine thread's wait includes the submission thread's
+launch (on CPU the "device" finishes at once), so compare wall µs/step (the loop's rate)
+and engine + submission thread CPU µs/step, not host µs alone.
+
+On CUDA the "device idle %" column is the sum of the GPU's idle gaps between the timed steps
+(CUDA events, EngineStats.gpu_idle_gap_us) over their wall time.
+
+--device-us N (CPU): an emulated device that takes N µs a step, serially in wall time (a step
+launched at t runs from max(t, the previous step's end)); its token event completes at the
+step's end and the host sleeps on it (GIL released), as it would wait on a GPU. The table
+then also has the emulated device's idle share over the timed steps: what the host loop and
+the submission mode cost the device.
 
 * CPU (default): models/tiny-llama, and the decode graphs are CPU stand-ins (EagerGraph)
   around a program that does no math (returns fixed token ids and advances the positions the
@@ -70,6 +88,49 @@ def _null_decode_program(runner):
     return program
 
 
+class _EmulatedEvent:
+    """The token event of one emulated step: complete at the step's end (perf_counter)."""
+
+    def __init__(self, end: float):
+        self.end = end
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.end
+
+    def synchronize(self) -> None:
+        left = self.end - time.perf_counter()
+        if left > 0:
+            time.sleep(left)  # releases the GIL, as torch's event wait does
+
+
+class _EmulatedDevice:
+    """--device-us: a device that runs one step at a time, step_s each, in wall time."""
+
+    def __init__(self, device_us: float):
+        self.step_s = device_us / 1e6
+        self.busy_until: float | None = None
+        self.idle_s = 0.0
+        self.counted_from = 0.0  # idle time before this (untimed steps) is not counted
+
+    def start_window(self) -> None:
+        self.idle_s, self.counted_from = 0.0, time.perf_counter()
+
+    def event(self, timing: bool = False) -> _EmulatedEvent:
+        """Called when a step is launched (TokenHandoff.publish): queue it, return its event."""
+        now = time.perf_counter()
+        if self.busy_until is None or now >= self.busy_until:
+            if self.busy_until is not None:
+                self.idle_s += max(0.0, now - max(self.busy_until, self.counted_from))
+            start = now
+        else:
+            start = self.busy_until
+        self.busy_until = start + self.step_s
+        return _EmulatedEvent(self.busy_until)
+
+
 class _PhaseTimer:
     """Wraps bound methods of one object to add their wall time to a named bucket."""
 
@@ -96,7 +157,7 @@ class _PhaseTimer:
             self.totals[k] = 0.0
 
 
-def build_engine(args):
+def build_engine(args, submission: str = "inline", lookahead: int = 1):
     import torch
     from backend_lib import EngineConfig, LLMEngine
     if args.device == "cpu":
@@ -107,6 +168,10 @@ def build_engine(args):
               async_token_handoff=args.async_handoff)
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = 0.5
+    if submission != "inline":  # an older backend_lib (--compare) has no such field
+        kw["step_submission"] = submission
+    if lookahead != 1:
+        kw["step_lookahead"] = lookahead
     from bench.decode import model_kwargs
     kw.update(model_kwargs(args.preset, args.model))
     if args.device == "cpu":
@@ -115,6 +180,9 @@ def build_engine(args):
     if args.device == "cpu":
         eng.runner._decode_program = _null_decode_program(eng.runner)
         eng.runner.use_stand_in_graphs()
+        if args.device_us:
+            eng._emulated_device = _EmulatedDevice(args.device_us)
+            eng.runner.handoff._event = eng._emulated_device.event
     return eng
 
 
@@ -141,6 +209,11 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     names = list(timer.totals)
     per_step: dict[str, list[float]] = {k: [] for k in ["host"] + names}
     cpu = 0.0
+    sub_clock = _submission_thread_clock(eng)
+    sub0 = time.clock_gettime(sub_clock) if sub_clock is not None else 0.0
+    device = getattr(eng, "_emulated_device", None)
+    if device is not None:
+        device.start_window()
     t0 = time.perf_counter()
     if prof:
         prof.enable()
@@ -155,13 +228,23 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     if prof:
         prof.disable()
     wall = time.perf_counter() - t0
+    sub_cpu = time.clock_gettime(sub_clock) - sub0 if sub_clock is not None else 0.0
     s1 = eng.stats()
+    # Device idle share: the emulated device's (CPU), or the GPU's idle gaps between the
+    # timed steps from CUDA events (EngineStats.gpu_idle_gap_us, drained by s0 above).
+    if device is not None:
+        device_idle = device.idle_s / wall
+    elif s1.gpu_idle_gap_us:
+        device_idle = sum(s1.gpu_idle_gap_us) / 1e6 / wall
+    else:
+        device_idle = float("nan")
     gen = s1.generation_tokens_total - s0.generation_tokens_total
     wait = s1.wait_time_s - s0.wait_time_s
     n = args.steps
     host = per_step.pop("host")
     row = dict(batch=batch, steps=n, host_us=_median(host) * 1e6, host_mean_us=sum(host) / n * 1e6,
-               cpu_us=cpu / n * 1e6, wall_us=wall / n * 1e6, wait_us=wait / n * 1e6, tokens_per_step=gen / n,
+               cpu_us=cpu / n * 1e6, submit_thread_cpu_us=sub_cpu / n * 1e6, wall_us=wall / n * 1e6,
+               device_idle_pct=device_idle * 100, wait_us=wait / n * 1e6, tokens_per_step=gen / n,
                **{f"{k}_us": _median(v) * 1e6 for k, v in per_step.items()})
     row["other_us"] = row["host_us"] - sum(row[f"{k}_us"] for k in names)
     row["gen2_collections"] = _gen2_collections() - gc_before
@@ -177,6 +260,14 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     return row
 
 
+def _submission_thread_clock(eng):
+    """The CPU-time clock of the engine's submission thread (None: inline submission)."""
+    thread = getattr(getattr(eng, "submission", None), "_thread", None)
+    if thread is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    return time.pthread_getcpuclockid(thread.ident)
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else 0.0
@@ -187,16 +278,25 @@ def _gen2_collections() -> int:
     return stats[2]["collections"] if len(stats) > 2 else 0
 
 
-def run_here(args) -> dict:
+def run_here(args, submission: str = "inline", lookahead: int = 1) -> dict:
     import backend_lib
-    eng = build_engine(args)
+    eng = build_engine(args, submission, lookahead)
     timer = _PhaseTimer()
     timer.wrap(eng.scheduler, "schedule", "schedule")
-    timer.wrap(eng.runner, "execute", "launch")
+    if hasattr(eng, "submission"):
+        timer.wrap(eng.submission, "submit", "submit")
+    else:  # an older backend_lib (--compare): the engine thread calls execute itself
+        timer.wrap(eng.runner, "execute", "submit")
     timer.wrap(eng.scheduler, "update", "update")
     eng._host_loop_timer = timer
-    rows = [measure_batch(eng, b, args, profile=(b == args.profile)) for b in args.batches]
-    return dict(backend=str(Path(backend_lib.__file__).resolve().parent), device=args.device,
+    try:
+        rows = [measure_batch(eng, b, args, profile=(b == args.profile)) for b in args.batches]
+    finally:
+        close = getattr(eng, "close", None)
+        if close is not None:
+            close()
+    return dict(backend=str(Path(backend_lib.__file__).resolve().parent), device=args.device, submission=submission,
+                lookahead=lookahead, device_us=args.device_us,
                 model=args.preset or args.model or "tiny-llama (no-math decode program)", rows=rows)
 
 
@@ -207,7 +307,7 @@ def slope(rows: list[dict]) -> float:
 
 
 def table(result: dict, label: str) -> str:
-    cols = ("schedule", "launch", "update", "other")
+    cols = ("schedule", "submit", "update", "other")
     lines = [f"{label}: {result['model']} on {result['device']} (backend_lib at {result['backend']})",
              "| batch | host µs/step p50 | mean | thread CPU µs/step | " + " | ".join(f"{c} µs" for c in cols) + " | wait µs | tok/step | gen2 GCs |",
              "|---|---|---|---|" + "---|" * len(cols) + "---|---|---|"]
@@ -215,6 +315,24 @@ def table(result: dict, label: str) -> str:
         lines.append(f"| {r['batch']} | {r['host_us']:.1f} | {r['host_mean_us']:.1f} | {r['cpu_us']:.1f} | " + " | ".join(f"{r.get(c + '_us', 0.0):.1f}" for c in cols)
                      + f" | {r['wait_us']:.1f} | {r['tokens_per_step']:.0f} | {r['gen2_collections']} |")
     lines.append(f"µs/row (batch {result['rows'][0]['batch']} -> {result['rows'][-1]['batch']}): {slope(result['rows']):.2f}")
+    return "\n".join(lines)
+
+
+def submission_table(results: dict[str, dict]) -> str:
+    """Per batch, one row per (step_submission, step_lookahead): the loop's rate, who spends
+    the CPU, and (--device-us) the emulated device's idle share."""
+    first = next(iter(results.values()))
+    dev = f", emulated device {first['device_us']:g} µs/step" if first.get("device_us") else ""
+    lines = [f"step_submission x step_lookahead{dev}",
+             "| batch | submission | lookahead | wall µs/step | device idle % | host µs/step p50 "
+             "| engine thread CPU µs/step | submission thread CPU µs/step | submit µs | wait µs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, b in enumerate(first["rows"]):
+        for res in results.values():
+            r = res["rows"][i]
+            lines.append(f"| {b['batch']} | {res['submission']} | {res['lookahead']} | {r['wall_us']:.1f} "
+                         f"| {r['device_idle_pct']:.1f} | {r['host_us']:.1f} | {r['cpu_us']:.1f} "
+                         f"| {r['submit_thread_cpu_us']:.1f} | {r['submit_us']:.1f} | {r['wait_us']:.1f} |")
     return "\n".join(lines)
 
 
@@ -252,6 +370,10 @@ def _forward_args(args) -> list[str]:
             a += [f"--{name}", getattr(args, name)]
     if args.profile:
         a += ["--profile", str(args.profile)]
+    if args.switch_interval_ms is not None:
+        a += ["--switch-interval-ms", str(args.switch_interval_ms)]
+    if args.device_us:
+        a += ["--device-us", str(args.device_us)]
     return a
 
 
@@ -271,9 +393,24 @@ def main(argv=None) -> None:
     p.add_argument("--profile", type=int, default=0, help="cProfile the measured steps of this batch")
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--compare", default=None, metavar="DIR", help="also run with DIR/backend_lib (before)")
+    p.add_argument("--lookahead", default=[1], type=lambda s: [int(x) for x in s.split(",")],
+                   help="step_lookahead values to measure, e.g. 1,2")
+    p.add_argument("--device-us", type=float, default=0.0,
+                   help="CPU: an emulated device taking this many µs a step (0: none, the step completes at once)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval for the run (how long a thread waiting for the GIL waits "
+                        "before it asks for it; Python's default is 5 ms)")
+    p.add_argument("--submission", default=["inline"], type=lambda s: [x.strip() for x in s.split(",")],
+                   help="step_submission modes to measure, e.g. inline,thread (a fresh engine each)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.compare and (args.submission != ["inline"] or args.lookahead != [1]):
+        p.error("--compare measures inline submission, lookahead 1 only")
+    if args.device_us and args.device != "cpu":
+        p.error("--device-us emulates a device on CPU")
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000.0)
     if args.child_out:
         res = run_here(args)
         with open(args.child_out, "w") as f:
@@ -284,12 +421,17 @@ def main(argv=None) -> None:
         after = run_child(args, None)
         results = dict(before=before, after=after)
         text = "\n\n".join([table(before, "before"), table(after, "after"), compare_table(before, after)])
+    elif len(args.submission) * len(args.lookahead) > 1:
+        by_mode = {f"step_submission={m}, step_lookahead={d}": run_here(args, m, d)
+                   for m in args.submission for d in args.lookahead}
+        results = by_mode
+        text = "\n\n".join([table(r, f"host loop, {k}") for k, r in by_mode.items()] + [submission_table(by_mode)])
     else:
-        after = run_here(args)
+        after = run_here(args, args.submission[0], args.lookahead[0])
         results = dict(after=after)
-        text = table(after, "host loop")
-    for key in ("before", "after"):
-        for r in results.get(key, {}).get("rows", []):
+        text = table(after, f"host loop, step_submission={args.submission[0]}, step_lookahead={args.lookahead[0]}")
+    for key in results:
+        for r in results[key].get("rows", []):
             prof = r.pop("profile", None)
             if prof:
                 print(f"---- cProfile ({key}, batch {r['batch']}, {r['steps']} steps) ----\n{prof}")

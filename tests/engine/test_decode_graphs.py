@@ -37,18 +37,18 @@ class _LaunchLog:
         self.entries = []   # (slots, [first_from_relay per row], reused)
         self.rows = []      # per launch: [(request id, start position, first_from_relay)]
         self.variants = set()
-        orig = self.graphs.launch
+        orig = self.graphs.plan
 
-        def launch(rows, greedy, masks, upload, logprobs=False, **kw):
+        def plan(rows, greedy, masks, logprobs=False, **kw):
             before = self.graphs.steps_reused
-            out = orig(rows, greedy, masks, upload, logprobs, **kw)
+            out = orig(rows, greedy, masks, logprobs, **kw)
             self.variants.add(graph_variant(greedy, masks, logprobs))
             self.rows.append([(r.request.request_id, r.start_pos, r.first_from_relay) for r in rows])
             self.entries.append(([r.request.slot for r in rows], [r.first_from_relay for r in rows],
                                  self.graphs.steps_reused > before))
             return out
 
-        self.graphs.launch = launch
+        self.graphs.plan = plan
 
     def host_id_then_same_rows(self) -> int:
         """Graph steps with a host-known id followed by a graph step of the same slots in
@@ -78,9 +78,9 @@ def test_reuse_only_after_an_all_relay_upload():
     graphs = DecodeGraphs(program, torch.device("cpu"), (1, 2, 4), stand_in=True)
     uploads = []
 
-    def upload(rows):
-        uploads.append(rows)
-        return torch.tensor(rows)
+    def upload(meta):
+        uploads.append(meta)
+        return meta
 
     def step(rows, greedy=True, masks=False):
         n = len(uploads)
