@@ -144,3 +144,29 @@ def test_unload_abort_while_a_request_is_being_added_still_aborts_it(llm_model):
     assert sender.done.wait(60)
     assert sender.finals == 1
     assert sender.tokens() < 100, f"the request ran on past the unload's abort ({sender.tokens()} tokens)"
+
+
+def test_a_batch_row_the_engine_refuses_ends_the_request_with_its_reason(llm_model):
+    """A [B, ...] request whose row 2 the engine refuses after rows 0-1 were added (e.g. it
+    stopped being healthy meanwhile): the rows in the engine are aborted and the one FINAL
+    response carries the refusal's message, not a 'request cancelled' the client never asked for."""
+    real = llm_model.engine.add_request
+    calls = []
+
+    def refuse_third(*a, **kw):
+        calls.append(a[0])
+        if len(calls) == 3:
+            raise RuntimeError("engine is not healthy: stand-in refusal")
+        return real(*a, **kw)
+
+    llm_model.engine.add_request = refuse_third
+    sender = Sender()
+    llm_model.execute([Request({"input_ids": [[5, 6, 7], [8, 9, 10], [11, 12, 13]],
+                                "input_lengths": [[3], [3], [3]], "request_output_len": [[400], [400], [400]],
+                                "streaming": [[True], [True], [True]]}, sender)])
+    assert sender.done.wait(60)
+    assert len(calls) == 3 and sender.finals == 1
+    err = sender.responses[-1].error
+    assert err is not None and "batch row 2" in err.message and "stand-in refusal" in err.message, err.message
+    assert err.code != "CANCELLED"
+    assert sender.tokens() < 300

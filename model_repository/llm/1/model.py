@@ -52,7 +52,7 @@ FINALIZE_TIMEOUT_S = 5.0  # engine stop + final outputs, well inside the launche
 class _Group:
     """One Triton request: its response sender, shared by its batch rows (TensorRT-LLM clients
     send [B, ...] inputs; each row is one engine request). FINAL goes with the last row's end."""
-    __slots__ = ("sender", "rows", "remaining", "key", "bls", "lock", "closed")
+    __slots__ = ("sender", "rows", "remaining", "key", "bls", "lock", "closed", "error")
 
     def __init__(self, sender, size, bls=False):
         self.sender = sender
@@ -64,6 +64,7 @@ class _Group:
         # response factory is gone): FINAL is sent, and polls happen, under this lock.
         self.lock = threading.Lock()
         self.closed = False
+        self.error = None  # why the engine refused a row: the request's one error, on its last row's end
 
 
 def _error_response(message, in_band):
@@ -221,7 +222,7 @@ class TritonPythonModel:
                     for ctx, r, p in zip(ctxs, rows, params):
                         self.engine.add_request(ctx.rid, r.prompt_ids, p, callback=self._on_output)
                         added += 1
-                except BaseException:
+                except BaseException as e:
                     with self._lock:
                         for ctx in ctxs[added:]:
                             self._inflight.pop(ctx.rid, None)
@@ -233,6 +234,7 @@ class TritonPythonModel:
                             group.closed = True  # the monitor must not poll it any more
                         raise
                     # rows already in the engine end as aborted; the error goes with the last
+                    group.error = f"batch row {added}: {e}"
                     group.remaining = added
                     for ctx in ctxs[:added]:
                         self._cancel(ctx)
@@ -276,6 +278,9 @@ class TritonPythonModel:
             self._account(ctx, out)
         if out.error is not None:
             self._send(ctx, _error_response(out.error, ctx.group.bls), True)
+            return
+        if out.finished and ctx.group.error is not None:
+            self._send(ctx, _error_response(ctx.group.error, ctx.group.bls), True, only_if_last=True)
             return
         if out.finished and ctx.cancelled and not ctx.group.bls:  # BLS: finish_reason "abort"
             self._send(ctx, pb_utils.InferenceResponse(error=pb_utils.TritonError(
