@@ -132,6 +132,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         ids = self.validate(prompt_token_ids, params)
+        if not isinstance(request_id, str) or "\x00" in request_id:
+            # the ids of n > 1 sequences are the client's id + _CHILD_SEP + index
+            raise ValueError(f"request_id {request_id!r}: must be a string without NUL characters")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n == 1:

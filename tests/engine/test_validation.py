@@ -176,3 +176,20 @@ def test_generate_rejects_bad_batches_without_leaving_requests_behind(eng):
     assert eng.stats().kv_blocks_used == 0
     outs = eng.generate([GOOD, [5, 6]], greedy(3, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [3, 3]
+
+
+def test_request_id_with_nul_is_refused(eng):
+    """A NUL in an id could collide with the ids of the sequences of an n > 1 request (the
+    client's id + NUL + 'n' + index): such an id is refused, naming the field."""
+    eng.add_request("par", GOOD, greedy(6, ignore_eos=True, n=2, seed=1))
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request("par\x00n0", GOOD, greedy(3))
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request(7, GOOD, greedy(3))
+    counts = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.request_id == "par"
+            counts[out.index] = counts.get(out.index, 0) + len(out.new_token_ids)
+    assert counts == {0: 6, 1: 6}
+    assert eng.stats().kv_blocks_used == 0
