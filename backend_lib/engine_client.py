@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import engine_wire as wire
+from . import envs
 from .async_engine import Callback, OutputSinks, RequestStream, merge_steps
 from .config import EngineConfig
 from .engine import EngineStats
@@ -49,6 +50,8 @@ STATS_TIMEOUT_S = 2.0   # a stats() call waits this long for the core's reply, t
 # long on a full socket means the core is wedged (stopped, or stuck holding its GIL). It is
 # then killed and every request fails, rather than Triton's execute thread blocking for ever.
 SEND_TIMEOUT_S = 30.0
+# How often the reader, waiting for the core's next message, checks for a stall.
+STALL_POLL_S = 1.0
 # Messages the reader takes at once before delivering: enough to merge a backlog, bounded so
 # that the first tokens of a long backlog are not held back.
 MAX_MESSAGES_PER_PASS = 64
@@ -71,6 +74,7 @@ class EngineProcessClient(OutputSinks):
         self._stats_seq = itertools.count()
         self._stats_waiting: dict[int, list] = {}   # seq -> [Event, EngineStats | None]
         self._last_stats = EngineStats()
+        self._stall_s = envs.engine_stall_timeout_s()
         ours, theirs = socket.socketpair()
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S),
                                                                          int(SEND_TIMEOUT_S % 1 * 1e6)))
@@ -244,16 +248,16 @@ class EngineProcessClient(OutputSinks):
                 raise TimeoutError("engine process socket full")
             self._conn.send(cmds)
         except BlockingIOError:  # SO_SNDTIMEO: the core took nothing for SEND_TIMEOUT_S
-            self._core_wedged()
+            self._core_wedged(f"it took no command for {SEND_TIMEOUT_S:g} s")
             raise
         finally:
             self._send_lock.release()
 
-    def _core_wedged(self) -> None:
+    def _core_wedged(self, why: str) -> None:
         if self.error is None:
             self.error = wire.EngineCoreError(f"EngineProcessWedged('engine process (pid {self.pid}) is wedged: "
-                                              f"it took no command for {SEND_TIMEOUT_S:g} s')")
-        logger.error("engine process (pid %d) took no command for %g s; killing it", self.pid, SEND_TIMEOUT_S)
+                                              f"{why}')")
+        logger.error("engine process (pid %d) is wedged (%s); killing it", self.pid, why)
         _kill(self._proc)  # the reader then sees EOF and fails every request with self.error
 
     def _reader_thread(self, argv: list, fd: int, env: dict) -> None:
@@ -271,8 +275,19 @@ class EngineProcessClient(OutputSinks):
 
     def _reader_main(self) -> None:
         conn = self._conn
+        heard = time.monotonic()  # the core's last message, or the last moment with nothing in flight
         while True:
             try:
+                if not conn.poll(STALL_POLL_S):
+                    now = time.monotonic()
+                    if not self.num_inflight():
+                        heard = now
+                    elif now - heard > self._stall_s:
+                        self._core_wedged(f"no output for {now - heard:.0f} s with requests in flight "
+                                          f"({envs.ENGINE_STALL_TIMEOUT_ENV}={self._stall_s:g})")
+                        heard = float("inf")  # once; its EOF follows
+                    continue
+                heard = time.monotonic()
                 msgs = [conn.recv()]
                 while len(msgs) < MAX_MESSAGES_PER_PASS and conn.poll(0):
                     msgs.append(conn.recv())

@@ -49,6 +49,25 @@ def sampler_impl() -> str:
     return v
 
 
+# Seconds the engine process may go without a message while requests are in flight before the
+# client declares it stalled (a hung kernel, a deadlock), kills it and fails those requests.
+# Steps send their outputs as they finish; a legitimately silent stretch (a long prompt's
+# prefill chunks, a first-use kernel compile or graph capture) is far shorter. 300 s as vLLM's
+# execute-model timeout and our pipeline stages' (BACKEND_LIB_PP_TIMEOUT_S).
+ENGINE_STALL_TIMEOUT_ENV = "BACKEND_LIB_ENGINE_STALL_TIMEOUT_S"
+
+
+def engine_stall_timeout_s() -> float:
+    v = os.environ.get(ENGINE_STALL_TIMEOUT_ENV, "300").strip() or "300"
+    try:
+        s = float(v)
+    except ValueError:
+        s = -1.0
+    if not s > 0:
+        raise ValueError(f"{ENGINE_STALL_TIMEOUT_ENV}={v!r}: must be a number of seconds > 0")
+    return s
+
+
 def force_sync() -> bool:
     return os.environ.get(FORCE_SYNC_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 

@@ -217,3 +217,47 @@ def test_sigterm_to_the_core_is_ignored(path):
     finally:
         c.shutdown(timeout=5)
     assert not _alive(c.pid)
+
+
+def test_a_stalled_core_fails_the_requests_in_flight(path, monkeypatch):
+    """A core that stops producing output with requests in flight (a hung kernel, a deadlock:
+    here SIGSTOP) and no new traffic to fill its socket: after the stall timeout the client
+    kills it, every request in flight ends with an error naming the stall, and the client
+    turns unhealthy. Idle stretches (nothing in flight) longer than the timeout are no stall."""
+    monkeypatch.setenv("BACKEND_LIB_ENGINE_STALL_TIMEOUT_S", "3")
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    finals: dict = {}
+    try:
+        time.sleep(4.5)  # idle past the timeout: no stall
+        toks, reason = c.add_request("warm", [5, 6, 7], greedy(8, ignore_eos=True)).result()
+        assert len(toks) == 8 and str(reason) == "length" and c.is_healthy()
+        first = threading.Event()
+
+        def cb(out):
+            first.set()
+            if out.finished:
+                finals[out.request_id] = out
+
+        for i in range(3):
+            c.add_request(f"r{i}", [5, 6, 7 + i], greedy(400, ignore_eos=True), callback=cb)
+        assert first.wait(60)
+        os.kill(c.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _wait(lambda: len(finals) == 3, 20)
+        assert 2.5 < time.monotonic() - t0 < 10
+        for out in finals.values():
+            assert str(out.finish_reason) == "error" and "no output for" in out.error, out.error
+        assert not c.is_healthy() and c.num_inflight() == 0
+        _wait(lambda: not _alive(c.pid), 15)
+    finally:
+        c.shutdown(timeout=3)
+
+
+def test_stall_timeout_must_be_positive(monkeypatch):
+    from backend_lib import envs
+    for bad in ("0", "-5", "soon"):
+        monkeypatch.setenv("BACKEND_LIB_ENGINE_STALL_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="BACKEND_LIB_ENGINE_STALL_TIMEOUT_S"):
+            envs.engine_stall_timeout_s()
+    monkeypatch.delenv("BACKEND_LIB_ENGINE_STALL_TIMEOUT_S")
+    assert envs.engine_stall_timeout_s() == 300.0
