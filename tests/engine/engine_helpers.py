@@ -26,6 +26,15 @@ def make_engine(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**base))
 
 
+def process_alive(pid: int) -> bool:
+    """pid is a live process (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def random_prompt(rng: random.Random, n: int, vocab: int = 768) -> list[int]:
     return [rng.randrange(LOW_ID, vocab) for _ in range(n)]
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from backend_lib import AsyncEngine, EngineConfig, EngineProcessClient, SamplingParams
-from engine_helpers import greedy, make_engine
+from engine_helpers import greedy, process_alive, make_engine
 from test_async_engine import KW, _wait, assert_abort_by_id, assert_streams_equal_generate, generate_reference  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,20 +33,12 @@ def _single_thread_core():
         os.environ["OMP_NUM_THREADS"] = old
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def client(path):
     c = EngineProcessClient(EngineConfig(model_path=path, **KW))
     yield c
     c.shutdown()
-    assert not _alive(c.pid)
+    assert not process_alive(c.pid)
 
 
 def test_streamed_equals_generate(client, generate_reference):
@@ -113,7 +105,7 @@ def test_shutdown_with_requests_in_flight(path):
     assert time.monotonic() - t0 < 10
     for s in streams + waiting:
         assert str(s.result()[1]) == "abort"
-    assert not _alive(c.pid) and not c.is_healthy()
+    assert not process_alive(c.pid) and not c.is_healthy()
     with pytest.raises(RuntimeError):
         c.add_request("late", [5], greedy(3))
 
@@ -217,7 +209,7 @@ def test_killed_core_fails_every_request(path):
         assert time.monotonic() - t0 < 1
     finally:
         c.shutdown(timeout=5)
-    assert not _alive(c.pid)
+    assert not process_alive(c.pid)
 
 
 PARENT = textwrap.dedent("""
@@ -239,14 +231,14 @@ def test_core_dies_with_its_parent(path, how):
                               cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     try:
         core = int(parent.stdout.readline())
-        assert _alive(core)
+        assert process_alive(core)
         if how == "sigkill":
             parent.kill()
         else:
             parent.stdin.write(b"exit\n")
             parent.stdin.flush()
         parent.wait(30)
-        _wait(lambda: not _alive(core), 15)
+        _wait(lambda: not process_alive(core), 15)
     finally:
         parent.kill()
         parent.wait(10)

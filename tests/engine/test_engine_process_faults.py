@@ -12,21 +12,13 @@ import pytest
 
 from backend_lib import EngineConfig, EngineProcessClient
 from backend_lib.engine import EngineStats
-from engine_helpers import greedy
+from engine_helpers import greedy, process_alive
 from test_async_engine import KW, _wait
 
 
 @pytest.fixture(autouse=True)
 def _single_thread_core(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the core is a fresh process
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 SLOW_CLOSE = textwrap.dedent("""
@@ -68,7 +60,7 @@ def test_engine_death_fails_requests_before_the_core_cleans_up(path, tmp_path, m
             c.add_request("late", [5], greedy(3))
     finally:
         c.shutdown(timeout=5)
-    assert not _alive(c.pid)
+    assert not process_alive(c.pid)
 
 
 def _fill_until_blocked(c, n=2000):
@@ -115,11 +107,11 @@ def test_wedged_core_is_killed_and_fails_requests(path, monkeypatch):
         _wait(lambda: "early" in finals, 10)
         assert str(finals["early"].finish_reason) == "error" and "wedged" in finals["early"].error
         assert not c.is_healthy()
-        _wait(lambda: not _alive(c.pid), 15)
+        _wait(lambda: not process_alive(c.pid), 15)
         assert c.num_inflight() == 0
     finally:
         c.shutdown(timeout=3)
-    assert not _alive(c.pid)
+    assert not process_alive(c.pid)
 
 
 def test_shutdown_keeps_its_timeout_with_a_wedged_core(path):
@@ -137,9 +129,9 @@ def test_shutdown_keeps_its_timeout_with_a_wedged_core(path):
         assert time.monotonic() - t0 < 10
         t.join(15)
         assert not t.is_alive()
-        assert not _alive(c.pid)
+        assert not process_alive(c.pid)
     finally:
-        if _alive(c.pid):
+        if process_alive(c.pid):
             os.kill(c.pid, signal.SIGKILL)
 
 
@@ -153,12 +145,12 @@ def test_core_outlives_the_thread_that_built_the_client(path):
     c = box["c"]
     try:
         time.sleep(0.5)
-        assert c.is_healthy() and _alive(c.pid)
+        assert c.is_healthy() and process_alive(c.pid)
         toks, reason = c.add_request("a", [5, 6, 7], greedy(5, ignore_eos=True)).result()
         assert len(toks) == 5 and str(reason) == "length"
     finally:
         c.shutdown(timeout=5)
-    assert not _alive(c.pid)
+    assert not process_alive(c.pid)
 
 
 GAPS = textwrap.dedent("""
@@ -216,7 +208,7 @@ def test_sigterm_to_the_core_is_ignored(path):
         assert c.is_healthy() and s is not None
     finally:
         c.shutdown(timeout=5)
-    assert not _alive(c.pid)
+    assert not process_alive(c.pid)
 
 
 def test_a_stalled_core_fails_the_requests_in_flight(path, monkeypatch):
@@ -248,7 +240,7 @@ def test_a_stalled_core_fails_the_requests_in_flight(path, monkeypatch):
         for out in finals.values():
             assert str(out.finish_reason) == "error" and "no output for" in out.error, out.error
         assert not c.is_healthy() and c.num_inflight() == 0
-        _wait(lambda: not _alive(c.pid), 15)
+        _wait(lambda: not process_alive(c.pid), 15)
     finally:
         c.shutdown(timeout=3)
 

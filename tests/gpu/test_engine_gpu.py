@@ -14,6 +14,7 @@ from backend_lib import EngineConfig, LLMEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_helpers import preempt_when_scheduling_output  # noqa: E402
+from gpu_helpers import run_churn  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -64,29 +65,7 @@ def assert_greedy_close_to_hf(hf, prompts, outs, max_new_tokens):
 def _churn(path, mode, seed=0, n=200):
     eng = _engine(path, async_token_handoff=mode, max_num_batched_tokens=64, num_kv_blocks=120,
                   block_size=16)
-    rng = random.Random(seed)
-    pending = []
-    for i in range(n):
-        p = [rng.randrange(3, 250) for _ in range(rng.randint(1, 300))]
-        sp = SamplingParams(max_tokens=rng.randint(1, 64), temperature=0.0 if i % 3 else 0.9, seed=i,
-                            stop_token_ids=[rng.randrange(3, 250)] if i % 4 == 0 else [])
-        pending.append((f"r{i}", p, sp))
-    res = {}
-    while pending or eng.has_unfinished():
-        for _ in range(rng.randint(0, 4)):
-            if pending:
-                rid, p, sp = pending.pop(0)
-                eng.add_request(rid, p, sp)
-                res[rid] = [[], None]
-        for out in eng.step():
-            r = res[out.request_id]
-            assert r[1] is None
-            r[0] += out.new_token_ids
-            if out.finished:
-                r[1] = str(out.finish_reason)
-    st = eng.stats()
-    assert st.kv_blocks_used == 0
-    return res, st
+    return run_churn(eng, random.Random(seed), n, max_prompt=300, max_tokens=64, max_adds=4)
 
 
 def test_gpu_async_equals_sync_under_churn(tiny_llama_path):

@@ -8,8 +8,9 @@ import threading
 
 import pytest
 
-from backend_lib import EngineConfig, LLMEngine, SamplingParams
+from backend_lib import EngineConfig, LLMEngine
 from backend_lib.submission import THREAD_NAME
+from gpu_helpers import run_churn
 
 pytestmark = pytest.mark.gpu
 
@@ -23,30 +24,8 @@ def churn(path, device="cuda", seed=0, n=120, **kw):
     base.update(kw)
     eng = LLMEngine(EngineConfig(**base))
     try:
-        rng = random.Random(seed)
-        pending = []
-        for i in range(n):
-            p = [rng.randrange(3, 250) for _ in range(rng.randint(1, 120))]
-            sp = SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.0 if i % 3 else 0.9, seed=i,
-                                logprobs=2 if i % 7 == 0 else None,
-                                stop_token_ids=[rng.randrange(3, 250)] if i % 4 == 0 else [])
-            pending.append((f"r{i}", p, sp))
-        res = {}
-        while pending or eng.has_unfinished():
-            for _ in range(rng.randint(0, 3)):
-                if pending:
-                    rid, p, sp = pending.pop(0)
-                    eng.add_request(rid, p, sp)
-                    res[rid] = [[], None]
-            for out in eng.step():
-                r = res[out.request_id]
-                assert r[1] is None
-                r[0] += out.new_token_ids
-                if out.finished:
-                    r[1] = str(out.finish_reason)
-        st = eng.stats()
-        assert st.kv_blocks_used == 0
-        return res, st
+        return run_churn(eng, random.Random(seed), n, max_prompt=120, max_tokens=40, max_adds=3,
+                         logprobs_every=7)
     finally:
         eng.close()
 
