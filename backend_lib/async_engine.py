@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
+from . import envs
 from .config import EngineConfig
 from .engine import EngineStats, LLMEngine
 from .fault_hook import fail_after_steps
@@ -118,6 +119,14 @@ class OutputSinks:
                     logger.exception("output callback failed for request %s", rid)
 
 
+# How often the dispatcher, waiting for outputs, checks for a stalled step.
+STALL_POLL_S = 1.0
+
+
+class EngineStalled(RuntimeError):
+    """An engine step ran past BACKEND_LIB_ENGINE_STALL_TIMEOUT_S."""
+
+
 class AsyncEngine(OutputSinks):
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False,
                  fault_after_steps: int = 0):
@@ -131,6 +140,8 @@ class AsyncEngine(OutputSinks):
         self._fault_after_steps = fault_after_steps
         self._merge_queued = merge_queued_outputs
         self.error: Optional[BaseException] = None
+        self._stall_s = envs.engine_stall_timeout_s()
+        self._step_began: Optional[float] = None  # monotonic start of the step in progress
         self._cmds: "queue.Queue[object]" = queue.Queue()
         self._outs: "queue.Queue[object]" = queue.Queue()
         self._sinks: dict[str, tuple[RequestStream, Optional[Callback]]] = {}
@@ -228,9 +239,11 @@ class AsyncEngine(OutputSinks):
                     for rid in list(eng.scheduler.requests):
                         eng.abort(rid)
                     while eng.has_unfinished() or eng.scheduler.has_pending_outputs:
-                        self._emit(eng.step())
+                        self._emit(self._step())
                     return
-                self._emit(eng.step())
+                self._emit(self._step())
+                if self.error is not None:  # declared stalled meanwhile: its requests have failed
+                    return
         except BaseException as e:  # noqa: BLE001 - engine death: fail every request, go unhealthy
             logger.exception("engine thread died")
             self.error = e
@@ -242,6 +255,13 @@ class AsyncEngine(OutputSinks):
                 eng.close()  # pipeline stages: stop (or kill) the worker processes
             except Exception:  # noqa: BLE001
                 logger.exception("engine close failed")
+
+    def _step(self) -> list[RequestOutput]:
+        self._step_began = time.monotonic()
+        try:
+            return self.engine.step()
+        finally:
+            self._step_began = None
 
     def _drain_commands(self, block: bool) -> bool:
         eng = self.engine
@@ -273,7 +293,13 @@ class AsyncEngine(OutputSinks):
     def _dispatch_main(self) -> None:
         held = None  # a control item met while merging: handled after the steps before it
         while True:
-            item, held = (held if held is not None else self._outs.get()), None
+            if held is None:
+                try:
+                    held = self._outs.get(timeout=STALL_POLL_S)
+                except queue.Empty:
+                    self._check_stall()
+                    continue
+            item, held = held, None
             if item is _STOP:
                 return
             if isinstance(item, _FailAll):
@@ -283,6 +309,20 @@ class AsyncEngine(OutputSinks):
                 item, held = self._merged_with_queued(item)
             for out in item:
                 self._deliver(out)
+
+    def _check_stall(self) -> None:
+        """A step running for longer than the stall timeout (a hung kernel, a deadlock) fails
+        every request and makes the engine unhealthy, as the engine process's client does; the
+        thread itself cannot be stopped, and exits if the step ever returns."""
+        began = self._step_began
+        if began is None or self.error is not None:
+            return
+        waited = time.monotonic() - began
+        if waited > self._stall_s:
+            self.error = EngineStalled(f"engine step running for {waited:.0f} s "
+                                       f"({envs.ENGINE_STALL_TIMEOUT_ENV}={self._stall_s:g})")
+            logger.error("engine stalled: %s; failing every request", self.error)
+            self._fail_all(FinishReason.ERROR, f"engine failed: {self.error!r}")
 
     def _merged_with_queued(self, outs: list[RequestOutput]) -> tuple[list[RequestOutput], object]:
         """outs and every step list queued behind it, one output per request (merge_steps).

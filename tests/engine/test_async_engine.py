@@ -311,3 +311,50 @@ def test_merge_steps_never_holds_a_first_token_back():
     # a request whose first output is also its final one is not split
     one = merge_steps([[out("d", [9], 1, finished=True)], [out("e", [1], 1)]])
     assert [(o.request_id, o.new_token_ids) for o in one] == [("e", [1]), ("d", [9])]
+
+
+def test_a_stalled_step_fails_the_requests_and_the_engine(path, monkeypatch):
+    """An engine step that does not return (a hung kernel, a deadlock: here a step blocked on
+    an event) for BACKEND_LIB_ENGINE_STALL_TIMEOUT_S: every request ends with an error naming
+    the stall, the engine turns unhealthy and refuses new requests; when the step returns at
+    last, the engine thread exits and shutdown returns."""
+    monkeypatch.setenv("BACKEND_LIB_ENGINE_STALL_TIMEOUT_S", "2")
+    aeng = AsyncEngine(EngineConfig(model_path=path, **KW))
+    release = threading.Event()
+    try:
+        time.sleep(3.0)  # idle past the timeout: no stall
+        assert len(aeng.add_request("warm", [5, 6, 7], greedy(6, ignore_eos=True)).result()[0]) == 6
+        step = aeng.engine.step
+        hang = threading.Event()
+
+        def maybe_hang():
+            if hang.is_set():
+                release.wait(60)
+            return step()
+
+        aeng.engine.step = maybe_hang
+        finals, first = {}, threading.Event()
+
+        def cb(out):
+            first.set()
+            if out.finished:
+                finals[out.request_id] = out
+
+        for i in range(3):
+            aeng.add_request(f"r{i}", [5, 6, 7 + i], greedy(400, ignore_eos=True), callback=cb)
+        assert first.wait(60)
+        hang.set()
+        t0 = time.monotonic()
+        _wait(lambda: len(finals) == 3, 20)
+        assert 1.5 < time.monotonic() - t0 < 10
+        for out in finals.values():
+            assert str(out.finish_reason) == "error" and "engine step running for" in out.error, out.error
+        assert not aeng.is_healthy()
+        with pytest.raises(RuntimeError, match="not healthy"):
+            aeng.add_request("late", [5], greedy(2))
+        release.set()
+        _wait(lambda: not aeng._thread.is_alive(), 20)
+    finally:
+        release.set()
+        aeng.shutdown(timeout=10)
+    assert not aeng._dispatcher.is_alive()
