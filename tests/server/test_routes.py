@@ -58,6 +58,21 @@ def test_llm_grpc_stream_token_identical(server, refs, prompt):
 
 
 @BOTH_ENGINES
+def test_llm_sends_the_outputs_asked_for(server, refs):
+    """A client naming its outputs (TensorRT-LLM's do; the BLS routes ask for output_ids and
+    finish_reason) gets the same tokens and its finish reason; llm builds only those
+    (tests/engine/test_llm_model_outputs.py checks what the stub sends)."""
+    ids, ref_tokens, ref_reason, _ = refs[PROMPTS[1]]
+    c = grpc_stream_one(server.grpc_url, "llm", {
+        "input_ids": np.array([ids], dtype=np.int32), "max_tokens": MAX_TOKENS, "temperature": 0.0,
+        "stream": True, "exclude_input_in_output": True}, outputs=["output_ids", "finish_reason"])
+    assert not c.errors and c.finals == 1
+    assert sum(c.ids("output_ids"), []) == ref_tokens
+    assert all(r.as_numpy("prefix_ids") is None and r.as_numpy("sequence_length") is None for r in c.responses)
+    assert c.responses[-1].as_numpy("finish_reason").reshape(-1)[0].decode() == ref_reason
+
+
+@BOTH_ENGINES
 def test_llm_prompt_included_by_default(server, refs):
     ids, ref_tokens, _, _ = refs[PROMPTS[0]]
     c = grpc_stream_one(server.grpc_url, "llm", {

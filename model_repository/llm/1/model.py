@@ -52,10 +52,11 @@ FINALIZE_TIMEOUT_S = 5.0  # engine stop + final outputs, well inside the launche
 class _Group:
     """One Triton request: its response sender, shared by its batch rows (TensorRT-LLM clients
     send [B, ...] inputs; each row is one engine request). FINAL goes with the last row's end."""
-    __slots__ = ("sender", "rows", "remaining", "key", "bls", "lock", "closed", "error")
+    __slots__ = ("sender", "rows", "remaining", "key", "bls", "lock", "closed", "error", "outputs")
 
-    def __init__(self, sender, size, bls=False):
+    def __init__(self, sender, size, bls=False, outputs=None):
         self.sender = sender
+        self.outputs = outputs  # the outputs the client asked for (None: every one)
         self.rows = []
         self.remaining = size
         self.key = None
@@ -65,6 +66,23 @@ class _Group:
         self.lock = threading.Lock()
         self.closed = False
         self.error = None  # why the engine refused a row: the request's one error, on its last row's end
+
+
+def _requested_outputs(request):
+    """The output names the client asked for, None for all. Triton drops the other outputs of
+    a response only after the stub has paid to send them, and send() grows with each tensor:
+    on the CPU box a response of output_ids alone cost ~75-110 us, with prefix_ids and
+    finish_reason too ~180-230 us (bench/sender_cost.py). The BLS routes ask for output_ids and
+    finish_reason, the ensemble for what postprocessing reads, TensorRT-LLM's clients name
+    theirs; a client that names none gets all."""
+    names = getattr(request, "requested_output_names", None)
+    if names is None:
+        return None
+    try:
+        asked = names()
+    except Exception:  # noqa: BLE001 - unknown: send everything, as before
+        return None
+    return frozenset(asked) if asked else None
 
 
 def _error_response(message, in_band):
@@ -208,7 +226,7 @@ class TritonPythonModel:
                 params = [r.sampling.to_params() for r in rows]
                 for r, p in zip(rows, params):  # every row before any reaches the engine
                     self.engine.validate(r.prompt_ids, p)
-                group = _Group(sender, len(rows), bls)
+                group = _Group(sender, len(rows), bls, _requested_outputs(request))
                 ctxs = [_Inflight(f"{self.instance}-{next(self._ids)}", group, r) for r in rows]
                 group.rows = ctxs
                 with self._lock:
@@ -308,13 +326,15 @@ class TritonPythonModel:
         seq.tail = (seq.tail + list(new))[-PREFIX_WINDOW:]
         # TensorRT-LLM's layout: output_ids [1, beams, N], sequence_length [1, beams]
         # (output_ids first: benchmark_core_model.py reads the first output's shape)
-        tensors = [
-            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
-            pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
-            pb_utils.Tensor("prefix_ids", np.asarray(prefix, dtype=np.int32).reshape(1, -1)),
-            pb_utils.Tensor("finish_reason", np.asarray(
-                [[str(out.finish_reason).encode() if seq_done else b""]], dtype=np.object_)),
-        ]
+        wanted = ctx.group.outputs
+        tensors = [pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1))]
+        if wanted is None or "sequence_length" in wanted:
+            tensors.append(pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)))
+        if wanted is None or "prefix_ids" in wanted:
+            tensors.append(pb_utils.Tensor("prefix_ids", np.asarray(prefix, dtype=np.int32).reshape(1, -1)))
+        if wanted is None or "finish_reason" in wanted:
+            tensors.append(pb_utils.Tensor("finish_reason", np.asarray(
+                [[str(out.finish_reason).encode() if seq_done else b""]], dtype=np.object_)))
         if ctx.batch_size > 1:
             tensors.append(pb_utils.Tensor("batch_index", np.asarray([[ctx.batch_index]], dtype=np.int32)))
         if ctx.n > 1:  # TensorRT-LLM sends sequence_index only with num_return_sequences > 1
