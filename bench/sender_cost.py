@@ -8,6 +8,7 @@ A gRPC streaming client receives them; the table gives microseconds per response
 
     .venv/bin/python -m bench.sender_cost                  (CPU: the pytriton tritonserver)
     .venv/bin/python -m bench.sender_cost --responses 2000 --tokens 1,32
+    .venv/bin/python -m bench.sender_cost --concurrent 1,2,4     (does send() overlap across threads?)
 
 Variants (what `llm` could send per response):
     llm          output_ids [1,1,k], sequence_length, prefix_ids [1,p], finish_reason (today's)
@@ -54,6 +55,7 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 
 MODEL = '''
 import json
+import threading
 import time
 
 import numpy as np
@@ -65,7 +67,13 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def execute(self, requests):
+        # each request sends from a thread of its own: concurrent requests send concurrently
         for request in requests:
+            threading.Thread(target=self._serve, args=(request,), daemon=True).start()
+        return None
+
+    def _serve(self, request):
+        if True:
             sender = request.get_response_sender()
             n = int(pb_utils.get_input_tensor_by_name(request, "responses").as_numpy()[0])
             k = int(pb_utils.get_input_tensor_by_name(request, "tokens").as_numpy()[0])
@@ -97,7 +105,6 @@ class TritonPythonModel:
             stats = json.dumps({k2: v / max(1, n) * 1e6 for k2, v in spent.items()})
             sender.send(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("probe_stats", np.asarray([stats.encode()], dtype=np.object_))]), flags=FINAL)
-        return None
 '''
 
 
@@ -109,8 +116,10 @@ def make_repository(root: Path) -> Path:
     return repo
 
 
-def probe(url: str, variant: str, responses: int, tokens: int) -> dict:
-    """One request: the probe's per-response phase times (µs) and the client's view."""
+def probe(url: str, variant: str, responses: int, tokens: int, concurrent: int = 1) -> dict:
+    """`concurrent` requests at once (each sent from its own stub thread): the probe's
+    per-response phase times (µs, averaged over the requests) and the client's wall time per
+    response over all of them."""
     import tritonclient.grpc as grpcclient
 
     got: "queue.Queue" = queue.Queue()
@@ -122,25 +131,27 @@ def probe(url: str, variant: str, responses: int, tokens: int) -> dict:
         t.set_data_from_numpy(np.asarray([value], dtype=np.int32))
         inputs.append(t)
     t0 = time.perf_counter()
-    client.async_stream_infer("sender_probe", inputs, enable_empty_final_response=True)
-    received, stats = 0, None
+    for i in range(concurrent):
+        client.async_stream_infer("sender_probe", inputs, request_id=str(i), enable_empty_final_response=True)
+    received, all_stats = 0, []
     try:
-        while stats is None:
+        while len(all_stats) < concurrent:
             result, error = got.get(timeout=300)
             if error is not None:
                 raise RuntimeError(f"probe failed: {error}")
             out = result.as_numpy("probe_stats")
             if out is not None:
-                stats = json.loads(out[0])
+                all_stats.append(json.loads(out[0]))
             elif result.as_numpy("output_ids") is not None:
                 received += 1
     finally:
         client.stop_stream()
         client.close()
     wall = time.perf_counter() - t0
-    if received != responses:
-        raise RuntimeError(f"{variant}: received {received} of {responses} responses")
-    stats["client"] = wall / responses * 1e6
+    if received != responses * concurrent:
+        raise RuntimeError(f"{variant}: received {received} of {responses * concurrent} responses")
+    stats = {k: sum(s[k] for s in all_stats) / concurrent for k in all_stats[0]}
+    stats["client"] = wall / (responses * concurrent) * 1e6
     return stats
 
 
@@ -150,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,32", help="tokens per response, comma list")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--repeats", type=int, default=2, help="requests per point; the fastest is reported")
+    ap.add_argument("--concurrent", default="1", help="requests sending at once (one stub thread each), "
+                                                      "comma list: does send() overlap across threads?")
     a = ap.parse_args(argv)
     from bench.serve import TritonServer
 
@@ -164,13 +177,17 @@ def main(argv=None) -> int:
             probe(url, variants[0], 50, 1)  # warm-up: the stub's first send, the client's channel
             print(f"one streamed response, µs on the probe stub's clock ({a.responses} responses a request, "
                   f"fastest of {a.repeats}); client = wall per response seen by the gRPC client\n")
-            print("| variant | tokens/response | numpy | pb_utils.Tensor | InferenceResponse | send | total | client |")
-            print("|---|---|---|---|---|---|---|---|")
+            print("| variant | tokens/response | concurrent | numpy | pb_utils.Tensor | InferenceResponse | send | "
+                  "total | client (all requests) |")
+            print("|---|---|---|---|---|---|---|---|---|")
             for k in (int(x) for x in a.tokens.split(",") if x):
-                for v in variants:
-                    best = min((probe(url, v, a.responses, k) for _ in range(a.repeats)), key=lambda s: s["total"])
-                    print(f"| {v} | {k} | {best['numpy']:.1f} | {best['tensor']:.1f} | {best['response']:.1f} | "
-                          f"{best['send']:.1f} | {best['total']:.1f} | {best['client']:.1f} |", flush=True)
+                for c in (int(x) for x in a.concurrent.split(",") if x):
+                    for v in variants:
+                        best = min((probe(url, v, a.responses, k, c) for _ in range(a.repeats)),
+                                   key=lambda s: s["client"])
+                        print(f"| {v} | {k} | {c} | {best['numpy']:.1f} | {best['tensor']:.1f} | "
+                              f"{best['response']:.1f} | {best['send']:.1f} | {best['total']:.1f} | "
+                              f"{best['client']:.1f} |", flush=True)
         finally:
             srv.stop()
     return 0
