@@ -10,6 +10,11 @@ A gRPC streaming client receives them; the table gives microseconds per response
     .venv/bin/python -m bench.sender_cost --responses 2000 --tokens 1,32
     .venv/bin/python -m bench.sender_cost --concurrent 1,2,4     (does send() overlap across threads?)
 
+send() releases the GIL while it waits for the server, so several stub threads could overlap
+their round trips; but in the llm model, 4 sender threads beside the cancellation poller
+deadlocked tritonserver 2.51 on the 2-core box (every sender and is_cancelled() stuck in calls
+into the server, bench/RESULTS.md), so the llm model sends from one thread.
+
 Variants (what `llm` could send per response):
     llm          output_ids [1,1,k], sequence_length, prefix_ids [1,p], finish_reason (today's)
     ids+length   output_ids and sequence_length (TensorRT-LLM's required pair)
