@@ -68,6 +68,13 @@ class _Group:
         self.error = None  # why the engine refused a row: the request's one error, on its last row's end
 
 
+# The stub's hot calls into the server (send, is_cancelled) go one at a time: tritonserver 2.51
+# hung in the soak test (CI, 2 cores) with the sender thread in send() and the monitor in
+# is_cancelled() at once, both waiting on the server for 10+ minutes (py-spy); with 4 sender
+# threads beside the monitor the same hang came at once (bench/RESULTS.md).
+_SERVER_CALL = threading.Lock()
+
+
 def _requested_outputs(request):
     """The output names the client asked for, None for all. Triton drops the other outputs of
     a response only after the stub has paid to send them, and send() grows with each tensor:
@@ -365,21 +372,27 @@ class TritonPythonModel:
             if g.closed:
                 return
             if not final:
-                g.sender.send(response)
+                with _SERVER_CALL:
+                    g.sender.send(response)
                 return
             g.remaining -= 1
             if g.remaining > 0:
                 if not only_if_last:
-                    g.sender.send(response)
+                    with _SERVER_CALL:
+                        g.sender.send(response)
                 return
             g.closed = True
-            g.sender.send(response, flags=FINAL)
+            with _SERVER_CALL:
+                g.sender.send(response, flags=FINAL)
 
     @staticmethod
     def _is_cancelled(ctx):
         g = ctx.group
         with g.lock:
-            return not g.closed and g.sender.is_cancelled()
+            if g.closed:
+                return False
+            with _SERVER_CALL:
+                return g.sender.is_cancelled()
 
     def _account(self, ctx, out):
         self.metrics.request_finished(str(out.finish_reason) if out.finish_reason is not None else "error",
