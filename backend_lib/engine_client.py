@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 from . import engine_wire as wire
 from . import envs
-from .async_engine import Callback, OutputSinks, RequestStream, merge_steps
+from .async_engine import STALL_POLL_S, Callback, OutputSinks, RequestStream, merge_steps
 from .config import EngineConfig
 from .engine import EngineStats
 from .interpreter import python_executable
@@ -50,8 +50,6 @@ STATS_TIMEOUT_S = 2.0   # a stats() call waits this long for the core's reply, t
 # long on a full socket means the core is wedged (stopped, or stuck holding its GIL). It is
 # then killed and every request fails, rather than Triton's execute thread blocking for ever.
 SEND_TIMEOUT_S = 30.0
-# How often the reader, waiting for the core's next message, checks for a stall.
-STALL_POLL_S = 1.0
 # Messages the reader takes at once before delivering: enough to merge a backlog, bounded so
 # that the first tokens of a long backlog are not held back.
 MAX_MESSAGES_PER_PASS = 64

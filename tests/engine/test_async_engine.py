@@ -66,6 +66,27 @@ def assert_abort_by_id(engine, path, p: list) -> list:
     return toks
 
 
+def assert_a_stall_fails_the_streams(engine, stall, at_least_s: float, message: str) -> None:
+    """Three long streams; once they produce tokens, stall() stops the engine making progress:
+    every stream ends, between at_least_s and 10 s later, with an error output holding message."""
+    finals, first = {}, threading.Event()
+
+    def cb(out):
+        first.set()
+        if out.finished:
+            finals[out.request_id] = out
+
+    for i in range(3):
+        engine.add_request(f"r{i}", [5, 6, 7 + i], greedy(400, ignore_eos=True), callback=cb)
+    assert first.wait(60)
+    stall()
+    t0 = time.monotonic()
+    _wait(lambda: len(finals) == 3, 20)
+    assert at_least_s < time.monotonic() - t0 < 10
+    for out in finals.values():
+        assert str(out.finish_reason) == "error" and message in out.error, out.error
+
+
 def assert_streams_equal_generate(engine, reference) -> None:
     """Half the requests by callback, half by iterator, arriving staggered: every stream's
     outputs (no empty one before the final, one final last) add up to generate's tokens and
@@ -333,22 +354,7 @@ def test_a_stalled_step_fails_the_requests_and_the_engine(path, monkeypatch):
             return step()
 
         aeng.engine.step = maybe_hang
-        finals, first = {}, threading.Event()
-
-        def cb(out):
-            first.set()
-            if out.finished:
-                finals[out.request_id] = out
-
-        for i in range(3):
-            aeng.add_request(f"r{i}", [5, 6, 7 + i], greedy(400, ignore_eos=True), callback=cb)
-        assert first.wait(60)
-        hang.set()
-        t0 = time.monotonic()
-        _wait(lambda: len(finals) == 3, 20)
-        assert 1.5 < time.monotonic() - t0 < 10
-        for out in finals.values():
-            assert str(out.finish_reason) == "error" and "engine step running for" in out.error, out.error
+        assert_a_stall_fails_the_streams(aeng, hang.set, 1.5, "engine step running for")
         assert not aeng.is_healthy()
         with pytest.raises(RuntimeError, match="not healthy"):
             aeng.add_request("late", [5], greedy(2))

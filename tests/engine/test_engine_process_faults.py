@@ -11,9 +11,8 @@ import time
 import pytest
 
 from backend_lib import EngineConfig, EngineProcessClient
-from backend_lib.engine import EngineStats
 from engine_helpers import greedy, process_alive
-from test_async_engine import KW, _wait
+from test_async_engine import KW, _wait, assert_a_stall_fails_the_streams
 
 
 @pytest.fixture(autouse=True)
@@ -218,27 +217,11 @@ def test_a_stalled_core_fails_the_requests_in_flight(path, monkeypatch):
     turns unhealthy. Idle stretches (nothing in flight) longer than the timeout are no stall."""
     monkeypatch.setenv("BACKEND_LIB_ENGINE_STALL_TIMEOUT_S", "3")
     c = EngineProcessClient(EngineConfig(model_path=path, **KW))
-    finals: dict = {}
     try:
         time.sleep(4.5)  # idle past the timeout: no stall
         toks, reason = c.add_request("warm", [5, 6, 7], greedy(8, ignore_eos=True)).result()
         assert len(toks) == 8 and str(reason) == "length" and c.is_healthy()
-        first = threading.Event()
-
-        def cb(out):
-            first.set()
-            if out.finished:
-                finals[out.request_id] = out
-
-        for i in range(3):
-            c.add_request(f"r{i}", [5, 6, 7 + i], greedy(400, ignore_eos=True), callback=cb)
-        assert first.wait(60)
-        os.kill(c.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        _wait(lambda: len(finals) == 3, 20)
-        assert 2.5 < time.monotonic() - t0 < 10
-        for out in finals.values():
-            assert str(out.finish_reason) == "error" and "no output for" in out.error, out.error
+        assert_a_stall_fails_the_streams(c, lambda: os.kill(c.pid, signal.SIGSTOP), 2.5, "no output for")
         assert not c.is_healthy() and c.num_inflight() == 0
         _wait(lambda: not process_alive(c.pid), 15)
     finally:

@@ -68,10 +68,10 @@ class _Group:
         self.error = None  # why the engine refused a row: the request's one error, on its last row's end
 
 
-# The stub's hot calls into the server (send, is_cancelled) go one at a time: tritonserver 2.51
-# hung in the soak test (CI, 2 cores) with the sender thread in send() and the monitor in
-# is_cancelled() at once, both waiting on the server for 10+ minutes (py-spy); with 4 sender
-# threads beside the monitor the same hang came at once (bench/RESULTS.md).
+# The stub's hot calls into the server (send, is_cancelled) go one at a time. tritonserver 2.51
+# hung in the soak test (2 cores) with the sender in send() and the monitor in is_cancelled()
+# at once, and at once with 4 sender threads (bench/RESULTS.md); it has since hung with send()
+# alone in flight too, so this lock does not prevent that hang: it only keeps the calls apart.
 _SERVER_CALL = threading.Lock()
 
 
@@ -371,19 +371,16 @@ class TritonPythonModel:
         with g.lock:
             if g.closed:
                 return
-            if not final:
-                with _SERVER_CALL:
-                    g.sender.send(response)
-                return
-            g.remaining -= 1
-            if g.remaining > 0:
-                if not only_if_last:
-                    with _SERVER_CALL:
-                        g.sender.send(response)
-                return
-            g.closed = True
+            flags = 0
+            if final:
+                g.remaining -= 1
+                if g.remaining > 0 and only_if_last:
+                    return
+                if g.remaining <= 0:
+                    g.closed = True
+                    flags = FINAL
             with _SERVER_CALL:
-                g.sender.send(response, flags=FINAL)
+                g.sender.send(response, flags=flags)
 
     @staticmethod
     def _is_cancelled(ctx):
