@@ -228,7 +228,8 @@ class MixedGraphs:
                     g = self._capture_cuda(meta, variant)
         except Exception as e:  # out of memory, an op that cannot be captured: eager instead
             self.failed[key] = f"{type(e).__name__}: {e}"
-            logger.error("mixed-step graph %s: capture failed, its steps run eagerly: %s", key, self.failed[key])
+            logger.error("mixed-step graph %s: capture failed, its steps run eagerly: %s", key, self.failed[key],
+                         exc_info=True)
             return None
         self.graphs[key] = g
         self.capture_s += time.perf_counter() - t0

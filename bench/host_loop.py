@@ -175,7 +175,9 @@ def build_engine(args, submission: str = "inline", lookahead: int = 1):
     from bench.decode import model_kwargs
     kw.update(model_kwargs(args.preset, args.model))
     if args.device == "cpu":
-        kw["num_kv_blocks"] = max(args.batches) * ((args.prompt_len + 16 + args.warmup + args.steps + 8) // 16 + 2) + 8
+        per_seq = (args.prompt_len + 16 + args.warmup + args.steps + 8) // 16 + 2
+        # at least one sequence of max_model_len (the engine refuses fewer)
+        kw["num_kv_blocks"] = max(max(args.batches) * per_seq, -(-args.max_model_len // 16) + 1) + 8
     eng = LLMEngine(EngineConfig(**kw))
     if args.device == "cpu":
         eng.runner._decode_program = _null_decode_program(eng.runner)
@@ -345,8 +347,10 @@ def compare_table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
-def run_child(args, backend_dir: str | None) -> dict:
-    """This benchmark in a fresh process; backend_dir: import backend_lib from there."""
+def run_child(args, backend_dir: str | None, submission: str | None = None, lookahead: int | None = None) -> dict:
+    """This benchmark in a fresh process (each engine sizes its KV cache from the device memory
+    it finds free: a second engine in one process would find the first one's); backend_dir:
+    import backend_lib from there."""
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     env = dict(os.environ)
@@ -354,6 +358,8 @@ def run_child(args, backend_dir: str | None) -> dict:
     if backend_dir:
         env[_BACKEND_ENV] = str(Path(backend_dir).resolve())
     cmd = [sys.executable, "-m", "bench.host_loop", "--child-out", out] + _forward_args(args)
+    if submission is not None:
+        cmd += ["--submission", submission, "--lookahead", str(lookahead)]
     subprocess.run(cmd, check=True, cwd=str(REPO_ROOT), env=env)
     with open(out) as f:
         res = json.load(f)
@@ -412,7 +418,7 @@ def main(argv=None) -> None:
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000.0)
     if args.child_out:
-        res = run_here(args)
+        res = run_here(args, args.submission[0], args.lookahead[0])
         with open(args.child_out, "w") as f:
             json.dump(res, f)
         return
@@ -422,7 +428,7 @@ def main(argv=None) -> None:
         results = dict(before=before, after=after)
         text = "\n\n".join([table(before, "before"), table(after, "after"), compare_table(before, after)])
     elif len(args.submission) * len(args.lookahead) > 1:
-        by_mode = {f"step_submission={m}, step_lookahead={d}": run_here(args, m, d)
+        by_mode = {f"step_submission={m}, step_lookahead={d}": run_child(args, None, m, d)
                    for m in args.submission for d in args.lookahead}
         results = by_mode
         text = "\n\n".join([table(r, f"host loop, {k}") for k, r in by_mode.items()] + [submission_table(by_mode)])
