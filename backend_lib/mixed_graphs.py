@@ -220,11 +220,11 @@ class MixedGraphs:
         tokens, seqs, variant = key
         t0 = time.perf_counter()
         try:
-            meta = MixedMeta.empty(tokens, seqs, self.scratch_slot, self.device)
-            if self.stand_in:
-                g = self._capture_stand_in(meta, variant)
-            else:
-                with _sync_allowed():
+            with _sync_allowed():  # the static metadata's upload synchronizes too
+                meta = MixedMeta.empty(tokens, seqs, self.scratch_slot, self.device)
+                if self.stand_in:
+                    g = self._capture_stand_in(meta, variant)
+                else:
                     g = self._capture_cuda(meta, variant)
         except Exception as e:  # out of memory, an op that cannot be captured: eager instead
             self.failed[key] = f"{type(e).__name__}: {e}"
@@ -257,9 +257,11 @@ class _sync_allowed:
     paused for it."""
 
     def __enter__(self):
-        self._mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
+        self._mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
+        if self._mode:
+            torch.cuda.set_sync_debug_mode(0)
 
     def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode(self._mode)
+        if self._mode:
+            torch.cuda.set_sync_debug_mode(self._mode)
         return False
