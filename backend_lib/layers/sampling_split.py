@@ -89,10 +89,12 @@ if triton is not None:
         T = tl.load(temp_ptr + row)
         ninf = float("-inf")
         first = c * CHUNK
-        best = tl.full((), ninf, tl.float32)
-        tok = tl.zeros((), dtype=tl.int32)
-        m = tl.full((), ninf, tl.float32)
-        zmin = tl.full((), float("inf"), tl.float32)
+        # Per-lane running winners, reduced once at the end (a block reduction per step would
+        # cost more than the step's arithmetic). Strict > keeps a lane's lowest index on ties.
+        best_v = tl.full((BLOCK,), ninf, tl.float32)
+        best_i = tl.zeros((BLOCK,), dtype=tl.int32)
+        m_v = tl.full((BLOCK,), ninf, tl.float32)
+        zmin_v = tl.full((BLOCK,), float("inf"), tl.float32)
         if T > 0:
             key = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
             stats = False
@@ -105,21 +107,24 @@ if triton is not None:
                 x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 s = tl.where(inb, z + _gumbel(key, offs), ninf)
-                bs = tl.max(s, axis=0)
-                bi = tl.argmax(s, axis=0) + first + sub
-                tok = tl.where(bs > best, bi, tok)
-                best = tl.maximum(best, bs)
+                upd = s > best_v
+                best_i = tl.where(upd, offs, best_i)
+                best_v = tl.where(upd, s, best_v)
                 if stats:
-                    m = tl.maximum(m, tl.max(z, axis=0))
-                    zmin = tl.minimum(zmin, tl.min(tl.where(z > ninf, z, float("inf")), axis=0))
+                    m_v = tl.maximum(m_v, z)
+                    zmin_v = tl.minimum(zmin_v, tl.where(z > ninf, z, float("inf")))
         else:
             for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
                 x = tl.load(row_ptr + offs, mask=offs < V, other=ninf).to(tl.float32)
-                bs = tl.max(x, axis=0)
-                bi = tl.argmax(x, axis=0) + first + sub
-                tok = tl.where(bs > best, bi, tok)
-                best = tl.maximum(best, bs)
+                upd = x > best_v
+                best_i = tl.where(upd, offs, best_i)
+                best_v = tl.where(upd, x, best_v)
+        best = tl.max(best_v, axis=0)
+        tok = tl.min(tl.where(best_v == best, best_i, 2147483647), axis=0)
+        tok = tl.where(best > ninf, tok, 0)
+        m = tl.max(m_v, axis=0)
+        zmin = tl.min(zmin_v, axis=0)
         at = row * C + c
         tl.store(part_f + at, best)
         tl.store(part_f + SC + at, m)
@@ -183,22 +188,22 @@ if triton is not None:
             m = tl.load(state_f + F_MAX * S + row)
             z_s = tl.load(state_f + F_ZS * S + row)
             t_m = tl.load(state_f + F_TM * S + row)
-            c_gt = tl.zeros((), dtype=tl.int32)
-            w_gt = tl.zeros((), dtype=tl.float32)
-            w_all = tl.zeros((), dtype=tl.float32)
+            c_gt = tl.zeros((BLOCK,), dtype=tl.int32)   # per lane, reduced once at the end
+            w_gt = tl.zeros((BLOCK,), dtype=tl.float32)
+            w_all = tl.zeros((BLOCK,), dtype=tl.float32)
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 e = tl.where(z >= t_m, tl.exp(z - m), 0.0)
                 gt = (z > z_s) & (z >= t_m)
-                c_gt += tl.sum(gt.to(tl.int32), axis=0)
-                w_gt += tl.sum(tl.where(gt, e, 0.0), axis=0)
-                w_all += tl.sum(e, axis=0)
+                c_gt += gt.to(tl.int32)
+                w_gt += tl.where(gt, e, 0.0)
+                w_all += e
             at = row * C + c
-            tl.store(part_f + at, w_gt)
-            tl.store(part_f + S * C + at, w_all)
-            tl.store(part_i + at, c_gt)
+            tl.store(part_f + at, tl.sum(w_gt, axis=0))
+            tl.store(part_f + S * C + at, tl.sum(w_all, axis=0))
+            tl.store(part_i + at, tl.sum(c_gt, axis=0))
 
     @triton.jit
     def _combine2(V, top_k_ptr, top_p_ptr, min_p_ptr, state_f, state_i, part_f, part_i, C,
@@ -253,18 +258,18 @@ if triton is not None:
             T = tl.load(temp_ptr + row)
             m = tl.load(state_f + F_MAX * S + row)
             piv = _pivot_values(state_f, row, S, PIVOTS)
-            cnt = tl.zeros([PIVOTS], dtype=tl.int32)
-            mass = tl.zeros([PIVOTS], dtype=tl.float32)
+            cnt = tl.zeros([BLOCK, PIVOTS], dtype=tl.int32)   # per lane, reduced once at the end
+            mass = tl.zeros([BLOCK, PIVOTS], dtype=tl.float32)
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 ge = z[:, None] >= piv[None, :]
-                cnt += tl.sum(ge.to(tl.int32), axis=0)
-                mass += tl.sum(tl.where(ge, tl.exp(z - m)[:, None], 0.0), axis=0)
+                cnt += ge.to(tl.int32)
+                mass += tl.where(ge, tl.exp(z - m)[:, None], 0.0)
             at = (row * C + c) * PIVOTS + tl.arange(0, PIVOTS)
-            tl.store(part_f + at, mass)
-            tl.store(part_i + at, cnt)
+            tl.store(part_f + at, tl.sum(mass, axis=0))
+            tl.store(part_i + at, tl.sum(cnt, axis=0))
 
     @triton.jit
     def _pick(vals, j, at):
@@ -386,8 +391,8 @@ if triton is not None:
             thr = tl.load(state_f + F_THR * S + row)
             key = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
             ninf = float("-inf")
-            best = tl.full((), ninf, tl.float32)
-            tok = tl.zeros((), dtype=tl.int32)
+            best_v = tl.full((BLOCK,), ninf, tl.float32)   # per-lane winners, as in _pass1
+            best_i = tl.zeros((BLOCK,), dtype=tl.int32)
             first = c * CHUNK
             for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
@@ -395,10 +400,12 @@ if triton is not None:
                 x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
                 z = tl.math.div_rn(x, T)
                 s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
-                bs = tl.max(s, axis=0)
-                bi = tl.argmax(s, axis=0) + first + sub
-                tok = tl.where(bs > best, bi, tok)
-                best = tl.maximum(best, bs)
+                upd = s > best_v
+                best_i = tl.where(upd, offs, best_i)
+                best_v = tl.where(upd, s, best_v)
+            best = tl.max(best_v, axis=0)
+            tok = tl.min(tl.where(best_v == best, best_i, 2147483647), axis=0)
+            tok = tl.where(best > ninf, tok, 0)
             tl.store(part_f + row * C + c, best)
             tl.store(part_i + row * C + c, tok)
 
