@@ -342,11 +342,17 @@ class ModelRunner:
             min_stop_ids=self.min_stop[slot_c],
             min_tokens_left=self.min_tokens[slot_c] - (next_pos - self.prompt_len[slot_c]),
             min_p=self.min_p[slot_c])
-        if masks and native:
+        clean_rows = None
+        if masks and native and greedy:
             logits = self.penalties.upcast_apply(logits, slot_c)  # the float32 copy masks write into
+        elif masks and native:
+            # Only the rows that penalties or id masks write into get a float32 copy; the
+            # sampler reads the others (top-k/p, min_p rows) in the model's dtype.
+            logits, written = self.penalties.upcast_apply_sparse(logits, slot_c, st)
+            clean_rows = (raw, written)
         elif masks:
             self.penalties.apply_(logits, slot_c)
-        tokens = sample(logits, st, greedy, masks)
+        tokens = sample(logits, st, greedy, masks, clean_rows)
         if masks:
             counted = slot_c if samples is None else torch.where(samples, slot_c, self.scratch_slot)
             self.penalties.count_sampled(counted, tokens)

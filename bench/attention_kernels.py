@@ -23,8 +23,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from backend_lib.layers.triton_support import num_sms  # noqa: E402
 from backend_lib.layers.triton_attention import (  # noqa: E402
-    _num_sms,
     decode_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
@@ -82,7 +82,7 @@ def make_decode(bsz, ctx, n_sets=1, max_blocks=None):
 
 def decode_table(sweep: bool):
     scale = D ** -0.5
-    sms = _num_sms(torch.device(DEV))
+    sms = num_sms(torch.device(DEV))
     print(f"\n== paged decode, Llama-3-8B heads (Hq={HQ}, Hkv={HKV}, D={D}), {DTYPE}, "
           f"block {PAGE}, {torch.cuda.get_device_name()} ({sms} SMs) ==")
     print("graph = per call inside a CUDA graph, cold L2 (KV rotated over >=200 MB); eager = one "

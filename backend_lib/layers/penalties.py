@@ -66,6 +66,19 @@ class PenaltyState:
             logits, slots, self.counts, self.prompt_mask, self.repetition, self.presence,
             self.frequency, out=out)
 
+    def upcast_apply_sparse(self, logits: torch.Tensor, slots: torch.Tensor, st) -> tuple[torch.Tensor, torch.Tensor]:
+        """upcast_apply for the rows something writes into (penalties, banned ids, min_tokens
+        stop ids; `st` the step's SamplingTensors): (float32 [S, V] holding those rows, written
+        [S] int32, 1 for them). The other rows are not copied: the split sampler reads them
+        from `logits` (sampler.sample's clean_rows)."""
+        from . import sampling_kernels
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        written = torch.empty(logits.shape[0], dtype=torch.int32, device=logits.device)
+        sampling_kernels.apply_penalties_kernel(
+            logits, slots, self.counts, self.prompt_mask, self.repetition, self.presence,
+            self.frequency, out=out, sparse_for=st, written=written)
+        return out, written
+
     def apply_(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """In place on logits [S, V] (rows gather their slot's state)."""
         if logits.device.type == "cuda":

@@ -138,13 +138,15 @@ def _use_kernels(logits: torch.Tensor) -> bool:
     return sampling_kernels.available()
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, all_greedy: bool, use_masks: bool) -> torch.Tensor:
+def sample(logits: torch.Tensor, st: SamplingTensors, all_greedy: bool, use_masks: bool,
+           clean_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """logits [S, V] float32 (or the model's dtype, where native_logits_ok) -> token ids [S]
     int64. `all_greedy`/`use_masks` are host flags
     known at scheduling time; they pick a cheaper program, never change the result.
     `use_masks` covers every per-row filter: banned ids, min_tokens, top-k, top-p and min_p.
     Modifies `logits` in place when `use_masks` (callers that still need the raw logits,
-    for logprobs, pass a copy)."""
+    for logprobs, pass a copy). clean_rows=(raw, written) (CUDA split kernels, not all
+    greedy): `logits` holds only the rows `written` marks, the others are read from raw."""
     kernels = _use_kernels(logits)
     if use_masks:
         if kernels and logits.stride(1) == 1 and _split():
@@ -153,10 +155,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors, all_greedy: bool, use_mask
         else:
             apply_masks_(logits, st)
     if all_greedy:
+        assert clean_rows is None, "argmax reads one tensor"
         return logits.argmax(dim=-1)
     if kernels:
         from .sampling_kernels import sample_rows_kernel
-        return sample_rows_kernel(logits, st, use_filters=use_masks)
+        return sample_rows_kernel(logits, st, use_filters=use_masks, clean_rows=clean_rows)
+    assert clean_rows is None, "the torch sampler reads one tensor"
     return sample_reference(logits, st, use_filters=use_masks)
 
 

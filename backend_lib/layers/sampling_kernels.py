@@ -250,10 +250,13 @@ if triton is not None:
     @triton.jit
     def _penalty_kernel(in_ptr, in_stride, out_ptr, out_stride, V, slot_ptr, counts_ptr, prompt_ptr,
                         table_stride, rep_ptr, pres_ptr, freq_ptr,
-                        COPY: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                        banned_ptr, banned_stride, NB, stop_ptr, stop_stride, NS, left_ptr, written_ptr,
+                        COPY: tl.constexpr, SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """One chunk of one row: out = the row's penalized logits (float32). COPY: out is a
         separate float32 tensor, so rows without penalties are copied (upcast) too; else in
-        place, and those rows are left alone."""
+        place, and those rows are left alone. SPARSE (with COPY): only the rows something
+        writes into get a copy (penalties, banned ids, stop ids masked for min_tokens);
+        written_ptr[row] says which (the sampler reads the others from the input)."""
         c = tl.program_id(0)
         row = tl.program_id(1)
         slot = tl.load(slot_ptr + row)
@@ -262,7 +265,17 @@ if triton is not None:
         freq = tl.load(freq_ptr + slot)
         src = in_ptr + row.to(tl.int64) * in_stride
         dst = out_ptr + row.to(tl.int64) * out_stride
-        if (rp != 1.0) | (pres != 0.0) | (freq != 0.0):
+        penalized = (rp != 1.0) | (pres != 0.0) | (freq != 0.0)
+        copy = COPY
+        if SPARSE:
+            # id lists are left-packed: a row has ids iff its first entry is one
+            banned = tl.load(banned_ptr + row * banned_stride, mask=NB > 0, other=-1) >= 0
+            stops = tl.load(stop_ptr + row * stop_stride, mask=NS > 0, other=-1) >= 0
+            masked = banned | (stops & (tl.load(left_ptr + row) > 0))
+            copy = masked
+            if c == 0:
+                tl.store(written_ptr + row, (penalized | masked).to(tl.int32))
+        if penalized:
             c_ptr = counts_ptr + slot.to(tl.int64) * table_stride
             p_ptr = prompt_ptr + slot.to(tl.int64) * table_stride
             for sub in range(0, CHUNK, BLOCK):
@@ -274,7 +287,7 @@ if triton is not None:
                 x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, rp), x * rp), x)
                 x = x - freq * cnt.to(tl.float32) - pres * (cnt > 0).to(tl.float32)
                 tl.store(dst + offs, x, mask=inb)
-        elif COPY:
+        elif copy:
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 inb = offs < V
@@ -287,14 +300,16 @@ def _zeros(n: int, device: str) -> torch.Tensor:
 
 
 def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool, only_stage=None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, clean_rows=None) -> torch.Tensor:
     """The Triton sampler: (masked) logits [S, V] f32 (or bf16: loads upcast) -> ids [S] int64
     (sampler.py's function).
     IMPL "split" (the default) runs sampling_split's chunked kernels; "rows" this module's
-    one program per row. only_stage=(stages [S] int32, value): only those rows, into `out`."""
+    one program per row. only_stage=(stages [S] int32, value): only those rows, into `out`.
+    clean_rows: see sampling_split.sample_rows_split (split only)."""
     if only_stage is None and IMPL == "split":
         from .sampling_split import sample_rows_split
-        return sample_rows_split(logits, st, use_filters)
+        return sample_rows_split(logits, st, use_filters, clean_rows)
+    assert clean_rows is None, "the per-row kernel reads one tensor"
     s, v = logits.shape
     logits = logits.contiguous()
     if out is None:
@@ -315,14 +330,24 @@ PENALTY_CHUNK = 4096  # tokens per program of the penalty / upcast pass
 
 def apply_penalties_kernel(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
                            prompt_mask: torch.Tensor, rep: torch.Tensor, pres: torch.Tensor,
-                           freq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                           freq: torch.Tensor, out: torch.Tensor | None = None,
+                           sparse_for=None, written: torch.Tensor | None = None) -> torch.Tensor:
     """Penalized logits [S, V] (per-slot tables indexed by `slots`): in place on contiguous
     float32 logits, or, with `out` (float32, any input dtype), one pass that writes every row
-    upcast and the penalty rows penalized (the bf16 logits' only float32 copy)."""
+    upcast and the penalty rows penalized (the bf16 logits' only float32 copy).
+    sparse_for (the step's SamplingTensors, with `out` and `written` [S] int32): only the rows
+    with penalties, banned ids or min_tokens-masked stop ids are written to `out`, and
+    written[row] = 1 for them, 0 for the rows left to be read from `logits`."""
     s, v = logits.shape
     dst = logits if out is None else out
     grid = (triton.cdiv(v, PENALTY_CHUNK), s)
+    st = sparse_for
+    banned = st.banned_ids if st is not None else slots.view(-1, 1)
+    stops = st.min_stop_ids if st is not None else slots.view(-1, 1)
     _penalty_kernel[grid](logits, logits.stride(0), dst, dst.stride(0), v, slots, counts,
                           prompt_mask.view(torch.uint8), counts.stride(0), rep, pres, freq,
-                          COPY=out is not None, CHUNK=PENALTY_CHUNK, BLOCK=1024, num_warps=4)
+                          banned, banned.stride(0), banned.shape[1], stops, stops.stride(0), stops.shape[1],
+                          st.min_tokens_left if st is not None else slots,
+                          written if written is not None else slots,
+                          COPY=out is not None, SPARSE=st is not None, CHUNK=PENALTY_CHUNK, BLOCK=1024, num_warps=4)
     return dst

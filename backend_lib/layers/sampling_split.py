@@ -29,7 +29,7 @@ import torch
 
 from . import sampling_kernels as rows_impl
 from .sampling_kernels import PIVOTS, SCRATCH
-from .triton_support import tl, triton
+from .triton_support import num_sms, tl, triton
 
 ROUNDS = 3           # parallel search rounds before the per-row fallback
 SCRATCH_SPLIT = SCRATCH  # boundary tokens sorted per row (tests lower it to reach every path)
@@ -41,6 +41,7 @@ MIN_CHUNK, MAX_CHUNK = 1024, 8192
 # few of the batch: finer chunks there give those rows enough programs to fill the GPU.
 PIVOT_CHUNK_DIVISOR, MIN_PIVOT_CHUNK = 4, 1024
 TARGET_PROGRAMS = 2048  # chunks x rows per pass: enough to fill every SM at batch 1
+WORKERS_PER_SM = 4      # programs per SM of the passes that walk the work list
 
 if triton is not None:
     from .sampling_kernels import _gumbel, _row_key
@@ -70,6 +71,24 @@ if triton is not None:
     I_TOK = tl.constexpr(4)       # the unfiltered winner
 
     @triton.jit
+    def _dense(written_ptr, row, DUAL: tl.constexpr):
+        """Does this row's data come from the (float32) logits? Without DUAL every row does;
+        with it only the rows written_ptr marks, the others come from the raw logits."""
+        if DUAL:
+            d = tl.load(written_ptr + row) != 0
+        else:
+            d = tl.full((), 1, tl.int1)
+        return d
+
+    @triton.jit
+    def _load_x(row_ptr, raw_row, dense, offs, mask, other):
+        if dense:
+            x = tl.load(row_ptr + offs, mask=mask, other=other).to(tl.float32)
+        else:
+            x = tl.load(raw_row + offs, mask=mask, other=other).to(tl.float32)
+        return x
+
+    @triton.jit
     def _filters(top_k_ptr, top_p_ptr, min_p_ptr, row, V):
         k = tl.load(top_k_ptr + row).to(tl.int32)
         p = tl.load(top_p_ptr + row)
@@ -77,7 +96,8 @@ if triton is not None:
         return k, p, mp, (k > 0) & (k < V), p < 1.0, mp > 0.0
 
     @triton.jit
-    def _pass1(logits_ptr, stride, V, temp_ptr, seed_ptr, pos_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    def _pass1(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
+              temp_ptr, seed_ptr, pos_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                part_f, part_i, C,
                USE_FILTERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Per chunk: the winner (score, index) and, for filtered rows, max / min finite z.
@@ -86,6 +106,8 @@ if triton is not None:
         row = tl.program_id(1)
         SC = tl.num_programs(1) * C
         row_ptr = logits_ptr + row.to(tl.int64) * stride
+        raw_row = raw_ptr + row.to(tl.int64) * raw_stride
+        dense = _dense(written_ptr, row, DUAL)
         T = tl.load(temp_ptr + row)
         ninf = float("-inf")
         first = c * CHUNK
@@ -104,7 +126,7 @@ if triton is not None:
             for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
                 inb = offs < V
-                x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
+                x = _load_x(row_ptr, raw_row, dense, offs, inb, ninf)
                 z = tl.math.div_rn(x, T)
                 s = tl.where(inb, z + _gumbel(key, offs), ninf)
                 upd = s > best_v
@@ -116,7 +138,7 @@ if triton is not None:
         else:
             for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=ninf).to(tl.float32)
+                x = _load_x(row_ptr, raw_row, dense, offs, offs < V, ninf)
                 upd = x > best_v
                 best_i = tl.where(upd, offs, best_i)
                 best_v = tl.where(upd, x, best_v)
@@ -143,8 +165,9 @@ if triton is not None:
         return tl.where(best > float("-inf"), tok, 0)
 
     @triton.jit
-    def _combine1(logits_ptr, stride, V, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f, part_i, C,
-                  out_ptr, state_f, state_i,
+    def _combine1(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
+              temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f, part_i, C,
+                  out_ptr, state_f, state_i, work_ptr,
                   USE_FILTERS: tl.constexpr, CMAX: tl.constexpr):
         row = tl.program_id(0)
         S = tl.num_programs(0)
@@ -152,6 +175,8 @@ if triton is not None:
         tok = _winner(part_f, part_i, row, C, CMAX)
         tl.store(out_ptr + row, tok.to(tl.int64))
         if USE_FILTERS:
+            if row == 0:
+                tl.store(work_ptr, 0)   # _combine2 appends to the work list
             stage = tl.zeros((), dtype=tl.int32)
             T = tl.load(temp_ptr + row)
             tl.store(state_i + I_GATHERED * S + row, 0)
@@ -164,7 +189,9 @@ if triton is not None:
                     m = tl.max(tl.load(part_f + SC + row * C + o, mask=inc, other=ninf), axis=0)
                     zmin = tl.min(tl.load(part_f + 2 * SC + row * C + o, mask=inc, other=float("inf")), axis=0)
                     t_m = tl.where(mp_on, m + tl.log(tl.maximum(mp, 1e-30)), ninf)
-                    z_s = tl.math.div_rn(tl.load(logits_ptr + row.to(tl.int64) * stride + tok).to(tl.float32), T)
+                    x_s = _load_x(logits_ptr + row.to(tl.int64) * stride, raw_ptr + row.to(tl.int64) * raw_stride,
+                                  _dense(written_ptr, row, DUAL), tok, tok >= 0, 0.0)
+                    z_s = tl.math.div_rn(x_s, T)
                     tl.store(state_f + F_MAX * S + row, m)
                     tl.store(state_f + F_ZS * S + row, z_s)
                     tl.store(state_f + F_TM * S + row, t_m)
@@ -175,7 +202,8 @@ if triton is not None:
             tl.store(state_i + I_STAGE * S + row, stage)
 
     @triton.jit
-    def _check(logits_ptr, stride, V, temp_ptr, state_f, state_i, part_f, part_i, C,
+    def _check(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
+              temp_ptr, state_f, state_i, part_f, part_i, C,
                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Per chunk, for CHECK rows: count and mass of {z > z_s, z >= t_m}, mass of {z >= t_m}.
         part_f [2, S, C] (mass above, kept mass), part_i [S, C]."""
@@ -184,6 +212,8 @@ if triton is not None:
         S = tl.num_programs(1)
         if tl.load(state_i + I_STAGE * S + row) == CHECK:
             row_ptr = logits_ptr + row.to(tl.int64) * stride
+            raw_row = raw_ptr + row.to(tl.int64) * raw_stride
+            dense = _dense(written_ptr, row, DUAL)
             T = tl.load(temp_ptr + row)
             m = tl.load(state_f + F_MAX * S + row)
             z_s = tl.load(state_f + F_ZS * S + row)
@@ -193,7 +223,7 @@ if triton is not None:
             w_all = tl.zeros((BLOCK,), dtype=tl.float32)
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+                x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
                 z = tl.math.div_rn(x, T)
                 e = tl.where(z >= t_m, tl.exp(z - m), 0.0)
                 gt = (z > z_s) & (z >= t_m)
@@ -206,13 +236,15 @@ if triton is not None:
             tl.store(part_i + at, tl.sum(c_gt, axis=0))
 
     @triton.jit
-    def _combine2(V, top_k_ptr, top_p_ptr, min_p_ptr, state_f, state_i, part_f, part_i, C,
+    def _combine2(V, top_k_ptr, top_p_ptr, min_p_ptr, state_f, state_i, part_f, part_i, C, work_ptr,
                   CMAX: tl.constexpr):
         """Kept winner: done. Else set up the search (sampling_kernels' rule: top-k by count
-        first, top-p by mass), starting at z_s when the winner is dropped by that filter."""
+        first, top-p by mass), starting at z_s when the winner is dropped by that filter.
+        Every row not done by now goes on the work list (work_ptr[0] rows at work_ptr[1:])."""
         row = tl.program_id(0)
         S = tl.num_programs(0)
-        if tl.load(state_i + I_STAGE * S + row) == CHECK:
+        stage = tl.load(state_i + I_STAGE * S + row)
+        if stage == CHECK:
             k, p, mp, k_on, p_on, mp_on = _filters(top_k_ptr, top_p_ptr, min_p_ptr, row, V)
             o = tl.arange(0, CMAX)
             inc = o < C
@@ -235,7 +267,10 @@ if triton is not None:
                 tl.store(state_f + F_HI * S + row, tl.load(state_f + F_MAX * S + row))
                 tl.store(state_f + F_TARGET * S + row, target)
                 tl.store(state_i + I_BY_COUNT * S + row, k_on.to(tl.int32))
-            tl.store(state_i + I_STAGE * S + row, tl.where(kept, DONE, SEARCH))
+            stage = tl.where(kept, DONE, SEARCH)
+            tl.store(state_i + I_STAGE * S + row, stage)
+        if stage != DONE:
+            tl.store(work_ptr + 1 + tl.atomic_add(work_ptr, 1), row)
 
     @triton.jit
     def _pivot_values(state_f, row, S, PIVOTS: tl.constexpr):
@@ -246,15 +281,26 @@ if triton is not None:
         return tl.where(j == PIVOTS - 1, hi, piv)
 
     @triton.jit
-    def _pivots(logits_ptr, stride, V, temp_ptr, state_f, state_i, part_f, part_i, C,
+    def _pivots(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
+              temp_ptr, state_f, state_i, part_f, part_i, C, S, work_ptr,
                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
         """Per chunk, for SEARCH rows: count and mass of {z >= pivot} at each pivot.
         part_f, part_i [S, C, PIVOTS]."""
-        c = tl.program_id(0)
-        row = tl.program_id(1)
-        S = tl.num_programs(1)
+        for item in range(tl.program_id(0), tl.load(work_ptr) * C, tl.num_programs(0)):
+            row = tl.load(work_ptr + 1 + item // C)
+            c = item % C
+            _pivots_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL, V,
+                temp_ptr, state_f, state_i, part_f, part_i, C, S, row, c,
+                          CHUNK, BLOCK, PIVOTS)
+
+    @triton.jit
+    def _pivots_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
+              temp_ptr, state_f, state_i, part_f, part_i, C, S, row, c,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
         if tl.load(state_i + I_STAGE * S + row) == SEARCH:
             row_ptr = logits_ptr + row.to(tl.int64) * stride
+            raw_row = raw_ptr + row.to(tl.int64) * raw_stride
+            dense = _dense(written_ptr, row, DUAL)
             T = tl.load(temp_ptr + row)
             m = tl.load(state_f + F_MAX * S + row)
             piv = _pivot_values(state_f, row, S, PIVOTS)
@@ -262,7 +308,7 @@ if triton is not None:
             mass = tl.zeros([BLOCK, PIVOTS], dtype=tl.float32)
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+                x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
                 z = tl.math.div_rn(x, T)
                 ge = z[:, None] >= piv[None, :]
                 cnt += ge.to(tl.int32)
@@ -319,15 +365,26 @@ if triton is not None:
             tl.store(state_i + I_STAGE * S + row, stage)
 
     @triton.jit
-    def _gather(logits_ptr, stride, V, temp_ptr, state_f, state_i, scratch_ptr, C,
+    def _gather(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
+              temp_ptr, state_f, state_i, scratch_ptr, C, S, work_ptr,
                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCRATCH: tl.constexpr):
         """GATHER rows: append the z values of the boundary set to the row's scratch (any
         order: resolve sorts them)."""
-        c = tl.program_id(0)
-        row = tl.program_id(1)
-        S = tl.num_programs(1)
+        for item in range(tl.program_id(0), tl.load(work_ptr) * C, tl.num_programs(0)):
+            row = tl.load(work_ptr + 1 + item // C)
+            c = item % C
+            _gather_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL, V,
+                temp_ptr, state_f, state_i, scratch_ptr, S, row, c,
+                          CHUNK, BLOCK, SCRATCH)
+
+    @triton.jit
+    def _gather_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
+              temp_ptr, state_f, state_i, scratch_ptr, S, row, c,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCRATCH: tl.constexpr):
         if tl.load(state_i + I_STAGE * S + row) == GATHER:
             row_ptr = logits_ptr + row.to(tl.int64) * stride
+            raw_row = raw_ptr + row.to(tl.int64) * raw_stride
+            dense = _dense(written_ptr, row, DUAL)
             T = tl.load(temp_ptr + row)
             lo = tl.load(state_f + F_LO * S + row)
             # top-k rows gather all of {z >= lo}
@@ -336,7 +393,7 @@ if triton is not None:
             out = scratch_ptr + row.to(tl.int64) * SCRATCH
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+                x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
                 z = tl.math.div_rn(x, T)
                 inside = (z >= lo) & (z < hi)
                 n = tl.sum(inside.to(tl.int32), axis=0)
@@ -379,14 +436,25 @@ if triton is not None:
             tl.store(state_i + I_STAGE * S + row, DRAW)
 
     @triton.jit
-    def _draw(logits_ptr, stride, V, temp_ptr, seed_ptr, pos_ptr, state_f, state_i, part_f, part_i, C,
-              CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    def _draw(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
+              temp_ptr, seed_ptr, pos_ptr, state_f, state_i, part_f, part_i, C, S,
+              work_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """DRAW rows, per chunk: the Gumbel winner over {z >= thr}. part_f, part_i [S, C]."""
-        c = tl.program_id(0)
-        row = tl.program_id(1)
-        S = tl.num_programs(1)
+        for item in range(tl.program_id(0), tl.load(work_ptr) * C, tl.num_programs(0)):
+            row = tl.load(work_ptr + 1 + item // C)
+            c = item % C
+            _draw_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL, V,
+                temp_ptr, seed_ptr, pos_ptr, state_f, state_i, part_f, part_i,
+                        C, S, row, c, CHUNK, BLOCK)
+
+    @triton.jit
+    def _draw_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
+              temp_ptr, seed_ptr, pos_ptr, state_f, state_i, part_f, part_i,
+                    C, S, row, c, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         if tl.load(state_i + I_STAGE * S + row) == DRAW:
             row_ptr = logits_ptr + row.to(tl.int64) * stride
+            raw_row = raw_ptr + row.to(tl.int64) * raw_stride
+            dense = _dense(written_ptr, row, DUAL)
             T = tl.load(temp_ptr + row)
             thr = tl.load(state_f + F_THR * S + row)
             key = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
@@ -397,7 +465,7 @@ if triton is not None:
             for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
                 inb = offs < V
-                x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
+                x = _load_x(row_ptr, raw_row, dense, offs, inb, ninf)
                 z = tl.math.div_rn(x, T)
                 s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
                 upd = s > best_v
@@ -408,6 +476,21 @@ if triton is not None:
             tok = tl.where(best > ninf, tok, 0)
             tl.store(part_f + row * C + c, best)
             tl.store(part_i + row * C + c, tok)
+
+    @triton.jit
+    def _densify(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, V, state_i, S, work_ptr, C,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """FALLBACK rows read from the raw logits get their float32 rows: the per-row kernel
+        that finishes them reads one tensor."""
+        for item in range(tl.program_id(0), tl.load(work_ptr) * C, tl.num_programs(0)):
+            row = tl.load(work_ptr + 1 + item // C)
+            c = item % C
+            if (tl.load(state_i + I_STAGE * S + row) == FALLBACK) & (tl.load(written_ptr + row) == 0):
+                for sub in range(0, CHUNK, BLOCK):
+                    offs = c * CHUNK + sub + tl.arange(0, BLOCK)
+                    inb = offs < V
+                    x = tl.load(raw_ptr + row.to(tl.int64) * raw_stride + offs, mask=inb).to(tl.float32)
+                    tl.store(logits_ptr + row.to(tl.int64) * stride + offs, x, mask=inb)
 
     @triton.jit
     def _combine3(state_i, part_f, part_i, C, out_ptr, CMAX: tl.constexpr):
@@ -443,8 +526,10 @@ def chunk_size(rows: int, vocab: int) -> int:
     return max(MIN_CHUNK, min(MAX_CHUNK, _pow2(want)))
 
 
-def sample_rows_split(logits: torch.Tensor, st, use_filters: bool) -> torch.Tensor:
-    """sampling_kernels.sample_rows_kernel's function, each row split across chunk programs."""
+def sample_rows_split(logits: torch.Tensor, st, use_filters: bool, clean_rows=None) -> torch.Tensor:
+    """sampling_kernels.sample_rows_kernel's function, each row split across chunk programs.
+    clean_rows=(raw [S, V], written [S] int32): `logits` holds only the rows written marks;
+    the others are read from raw (penalties.upcast_apply_sparse made them so)."""
     s, v = logits.shape
     logits = logits.contiguous()
     dev = logits.device
@@ -459,31 +544,40 @@ def sample_rows_split(logits: torch.Tensor, st, use_filters: bool) -> torch.Tens
     out = torch.empty(s, dtype=torch.int64, device=dev)
     part_f = torch.empty(s * max(3 * c, c_p * PIVOTS if use_filters else 0), dtype=torch.float32, device=dev)
     part_i = torch.empty(s * max(c, c_p * PIVOTS if use_filters else 0), dtype=torch.int32, device=dev)
-    stride = logits.stride(0)
+    raw, written = clean_rows if clean_rows is not None else (logits, out)
+    raw = raw.contiguous()
+    # every pass over the logits takes the same source arguments
+    src = (logits, logits.stride(0), raw, raw.stride(0), written, clean_rows is not None, v)
     grid = (c, s)
-    _pass1[grid](logits, stride, v, temp, seed, pos, top_k, top_p, min_p, part_f, part_i, c,
+    _pass1[grid](*src, temp, seed, pos, top_k, top_p, min_p, part_f, part_i, c,
                  USE_FILTERS=use_filters, CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
     state_f = torch.empty(9 * s if use_filters else 1, dtype=torch.float32, device=dev)
     state_i = torch.empty(5 * s if use_filters else 1, dtype=torch.int32, device=dev)
-    _combine1[(s,)](logits, stride, v, temp, top_k, top_p, min_p, part_f, part_i, c, out, state_f, state_i,
+    work = torch.empty(s + 1 if use_filters else 1, dtype=torch.int32, device=dev)
+    _combine1[(s,)](*src, temp, top_k, top_p, min_p, part_f, part_i, c, out, state_f, state_i, work,
                     USE_FILTERS=use_filters, CMAX=cmax, num_warps=1)
     if not use_filters:
         return out
-    _check[grid](logits, stride, v, temp, state_f, state_i, part_f, part_i, c,
-                 CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
-    _combine2[(s,)](v, top_k, top_p, min_p, state_f, state_i, part_f, part_i, c, CMAX=cmax, num_warps=1)
+    _check[grid](*src, temp, state_f, state_i, part_f, part_i, c, CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
+    _combine2[(s,)](v, top_k, top_p, min_p, state_f, state_i, part_f, part_i, c, work, CMAX=cmax, num_warps=1)
+    # The later passes concern the few rows on the work list: a grid of (chunks x rows)
+    # programs would spend its time launching programs that exit at once.
+    workers = (min(c_p * s, WORKERS_PER_SM * num_sms(dev)),)
     for r in range(ROUNDS):
-        _pivots[(c_p, s)](logits, stride, v, temp, state_f, state_i, part_f, part_i, c_p,
-                          CHUNK=chunk_p, BLOCK=PIVOT_BLOCK, PIVOTS=PIVOTS, num_warps=4)
+        _pivots[workers](*src, temp, state_f, state_i, part_f, part_i, c_p, s, work,
+                         CHUNK=chunk_p, BLOCK=PIVOT_BLOCK, PIVOTS=PIVOTS, num_warps=4)
         _narrow[(s,)](state_f, state_i, part_f, part_i, c_p, FIRST=r == 0, LAST=r == ROUNDS - 1,
                       CMAX=_pow2(c_p), PIVOTS=PIVOTS, SCRATCH=SCRATCH_SPLIT, num_warps=4)
     scratch = torch.empty(s * SCRATCH_SPLIT, dtype=torch.float32, device=dev)
-    _gather[grid](logits, stride, v, temp, state_f, state_i, scratch, c,
-                  CHUNK=chunk, BLOCK=BLOCK, SCRATCH=SCRATCH_SPLIT, num_warps=4)
+    _gather[workers](*src, temp, state_f, state_i, scratch, c, s, work,
+                     CHUNK=chunk, BLOCK=BLOCK, SCRATCH=SCRATCH_SPLIT, num_warps=4)
     _resolve[(s,)](top_k, top_p, state_f, state_i, scratch, SCRATCH=SCRATCH_SPLIT, num_warps=8)
-    _draw[grid](logits, stride, v, temp, seed, pos, state_f, state_i, part_f, part_i, c,
-                CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
+    _draw[workers](*src, temp, seed, pos, state_f, state_i, part_f, part_i, c, s, work,
+                   CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
     _combine3[(s,)](state_i, part_f, part_i, c, out, CMAX=cmax, num_warps=1)
+    if clean_rows is not None:
+        _densify[workers](logits, logits.stride(0), raw, raw.stride(0), written, v, state_i, s, work, c,
+                          CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
     rows_impl.sample_rows_kernel(logits, st, True, only_stage=(state_i[:s], STAGE_FALLBACK), out=out)
     return out
 

@@ -34,10 +34,11 @@ reference still works), the kernels then raise at call time.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
+
+from .triton_support import num_sms
 
 try:  # Triton is optional at import time (CPU-only CI machines).
     import triton
@@ -331,17 +332,6 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms_cuda(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":     # TRITON_INTERPRET=1 on CPU tensors
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return _num_sms_cuda(idx)
-
 
 def _check_common(q, k_cache, v_cache):
     if not HAS_TRITON:
@@ -420,7 +410,7 @@ def paged_decode_attention(
         num_stages = 2 if k_cache.element_size() >= 4 else 3
     max_blocks = block_tables.shape[1]
     if num_splits is None:
-        num_splits = decode_num_splits(bsz, hkv, max_blocks, page, block_n, _num_sms(q.device))
+        num_splits = decode_num_splits(bsz, hkv, max_blocks, page, block_n, num_sms(q.device))
     num_splits = max(1, int(num_splits))
     gp = max(16, _next_pow2(g))
 

@@ -2,6 +2,10 @@
 kernel modules import it from here and fall back to their torch definitions without it."""
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from .. import envs
 
 try:
@@ -16,3 +20,17 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 # kernels also run on CPU tensors, in Triton's interpreter (TRITON_INTERPRET=1)
 INTERPRET = envs.triton_interpret()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_cuda(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (an H200's count for CPU tensors, which run in
+    Triton's interpreter: grids sized from it stay the same)."""
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms_cuda(idx)

@@ -430,3 +430,44 @@ def test_penalty_upcast_pass_equals_upcast_then_in_place():
     want = sampling_kernels.apply_penalties_kernel(native.float(), slots, counts, prompt, rep, pres, freq)
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert torch.equal(got[0], native[0].float())
+
+
+@pytest.mark.parametrize("case", [SPLIT_CASES[2], SPLIT_CASES[7], SPLIT_CASES[11]])
+def test_split_kernels_read_clean_rows_from_raw(case, small_scratch):
+    """penalties.upcast_apply_sparse copies only the rows something writes into (penalties,
+    banned ids, stop ids masked for min_tokens) and marks them; the split kernels read the other
+    rows from the bf16 logits. Ids equal the same kernels on the dense float32 copy (whose
+    clean rows are the bf16 values upcast), with unwritten rows of the sparse copy poisoned
+    (NaN), and with a fallback row (a tie wider than the boundary buffer) among them."""
+    from backend_lib.layers import sampling_kernels, sampling_split
+    from backend_lib.layers.sampler import apply_masks_
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    slots, counts, prompt, rep, pres, freq = _penalty_tables()
+    neutral = torch.arange(ROWS, device=DEVICE) % 3 != 1      # rows 1, 4 (and 7 unless its slot is 0's) keep theirs
+    rep[slots[neutral]], pres[slots[neutral]], freq[slots[neutral]] = 1.0, 0.0, 0.0
+    st = _tensors(ROWS, seed0=11, **case)
+    st.banned_ids = torch.full((ROWS, 4), -1, dtype=torch.int64, device=DEVICE)
+    st.banned_ids[2, :2] = torch.tensor([3, 9])                 # row 2: banned ids only
+    st.min_stop_ids = torch.full((ROWS, 2), -1, dtype=torch.int64, device=DEVICE)
+    st.min_stop_ids[3, 0], st.min_stop_ids[5, 0] = 0, 1         # row 3: masked stop; row 5: min_tokens reached
+    st.min_tokens_left[3] = 2
+    native = _logits(ROWS, 1.0).to(torch.bfloat16)
+    native[6, : sampling_split.SCRATCH_SPLIT + 10] = native[6].max() + 1.0  # row 6 falls back to the row kernel
+    st.top_k[6] = 3
+    out = torch.full((ROWS, VOCAB), float("nan"), device=DEVICE)
+    written = torch.full((ROWS,), -1, dtype=torch.int32, device=DEVICE)
+    sampling_kernels.apply_penalties_kernel(native, slots, counts, prompt, rep, pres, freq, out=out,
+                                            sparse_for=st, written=written)
+    penalized = ((rep[slots] != 1) | (pres[slots] != 0) | (freq[slots] != 0)).tolist()
+    assert written.tolist() == [int(penalized[r] or r in (2, 3)) for r in range(ROWS)]
+    assert 0 < sum(penalized) < ROWS and not penalized[6]
+    assert torch.isnan(out[written == 0]).all()
+    dense = sampling_kernels.apply_penalties_kernel(native, slots, counts, prompt, rep, pres, freq,
+                                                    out=torch.empty_like(out))
+    assert torch.equal(out[written == 1], dense[written == 1])
+    apply_masks_(out, st)
+    apply_masks_(dense, st)
+    got = sampling_split.sample_rows_split(out, st, use_filters=True, clean_rows=(native, written))
+    want = sampling_split.sample_rows_split(dense, st, use_filters=True)
+    assert torch.equal(got, want), (got != want).nonzero().flatten().tolist()
+    assert torch.equal(got, _threshold_reference(dense, st)) or not _ON_CPU
