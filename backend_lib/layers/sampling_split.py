@@ -97,7 +97,7 @@ if triton is not None:
 
     @triton.jit
     def _pass1(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
-              temp_ptr, seed_ptr, pos_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+               temp_ptr, seed_ptr, pos_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                part_f, part_i, C,
                USE_FILTERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Per chunk: the winner (score, index) and, for filtered rows, max / min finite z.
@@ -166,7 +166,7 @@ if triton is not None:
 
     @triton.jit
     def _combine1(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
-              temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f, part_i, C,
+                  temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f, part_i, C,
                   out_ptr, state_f, state_i, work_ptr,
                   USE_FILTERS: tl.constexpr, CMAX: tl.constexpr):
         row = tl.program_id(0)
@@ -203,7 +203,7 @@ if triton is not None:
 
     @triton.jit
     def _check(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
-              temp_ptr, state_f, state_i, part_f, part_i, C,
+               temp_ptr, state_f, state_i, part_f, part_i, C,
                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Per chunk, for CHECK rows: count and mass of {z > z_s, z >= t_m}, mass of {z >= t_m}.
         part_f [2, S, C] (mass above, kept mass), part_i [S, C]."""
@@ -282,7 +282,7 @@ if triton is not None:
 
     @triton.jit
     def _pivots(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
-              temp_ptr, state_f, state_i, part_f, part_i, C, S, work_ptr,
+                temp_ptr, state_f, state_i, part_f, part_i, C, S, work_ptr,
                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
         """Per chunk, for SEARCH rows: count and mass of {z >= pivot} at each pivot.
         part_f, part_i [S, C, PIVOTS]."""
@@ -290,12 +290,12 @@ if triton is not None:
             row = tl.load(work_ptr + 1 + item // C)
             c = item % C
             _pivots_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL, V,
-                temp_ptr, state_f, state_i, part_f, part_i, C, S, row, c,
+                          temp_ptr, state_f, state_i, part_f, part_i, C, S, row, c,
                           CHUNK, BLOCK, PIVOTS)
 
     @triton.jit
     def _pivots_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
-              temp_ptr, state_f, state_i, part_f, part_i, C, S, row, c,
+                      temp_ptr, state_f, state_i, part_f, part_i, C, S, row, c,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
         if tl.load(state_i + I_STAGE * S + row) == SEARCH:
             row_ptr = logits_ptr + row.to(tl.int64) * stride
@@ -323,7 +323,8 @@ if triton is not None:
 
     @triton.jit
     def _narrow(state_f, state_i, part_f, part_i, C,
-                FIRST: tl.constexpr, LAST: tl.constexpr, CMAX: tl.constexpr, PIVOTS: tl.constexpr, SCRATCH: tl.constexpr):
+                FIRST: tl.constexpr, LAST: tl.constexpr, CMAX: tl.constexpr, PIVOTS: tl.constexpr,
+                SCRATCH: tl.constexpr):
         """One search round's decision (sampling_kernels._search's loop body). Top-k rows
         narrow until {z >= lo} fits SCRATCH; top-p rows until [lo, hi) does."""
         row = tl.program_id(0)
@@ -366,7 +367,7 @@ if triton is not None:
 
     @triton.jit
     def _gather(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
-              temp_ptr, state_f, state_i, scratch_ptr, C, S, work_ptr,
+                temp_ptr, state_f, state_i, scratch_ptr, C, S, work_ptr,
                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCRATCH: tl.constexpr):
         """GATHER rows: append the z values of the boundary set to the row's scratch (any
         order: resolve sorts them)."""
@@ -374,12 +375,12 @@ if triton is not None:
             row = tl.load(work_ptr + 1 + item // C)
             c = item % C
             _gather_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL, V,
-                temp_ptr, state_f, state_i, scratch_ptr, S, row, c,
+                          temp_ptr, state_f, state_i, scratch_ptr, S, row, c,
                           CHUNK, BLOCK, SCRATCH)
 
     @triton.jit
     def _gather_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
-              temp_ptr, state_f, state_i, scratch_ptr, S, row, c,
+                      temp_ptr, state_f, state_i, scratch_ptr, S, row, c,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCRATCH: tl.constexpr):
         if tl.load(state_i + I_STAGE * S + row) == GATHER:
             row_ptr = logits_ptr + row.to(tl.int64) * stride
@@ -444,12 +445,12 @@ if triton is not None:
             row = tl.load(work_ptr + 1 + item // C)
             c = item % C
             _draw_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL, V,
-                temp_ptr, seed_ptr, pos_ptr, state_f, state_i, part_f, part_i,
+                        temp_ptr, seed_ptr, pos_ptr, state_f, state_i, part_f, part_i,
                         C, S, row, c, CHUNK, BLOCK)
 
     @triton.jit
     def _draw_chunk(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
-              temp_ptr, seed_ptr, pos_ptr, state_f, state_i, part_f, part_i,
+                    temp_ptr, seed_ptr, pos_ptr, state_f, state_i, part_f, part_i,
                     C, S, row, c, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         if tl.load(state_i + I_STAGE * S + row) == DRAW:
             row_ptr = logits_ptr + row.to(tl.int64) * stride
