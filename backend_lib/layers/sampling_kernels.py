@@ -248,10 +248,21 @@ if triton is not None:
             tl.store(out_ptr + row, tok.to(tl.int64))
 
     @triton.jit
+    def _any_id(ids_ptr, n, IDS_BLOCK: tl.constexpr):
+        """Does the list ids_ptr[:n] hold an id (>= 0; -1 is padding)?"""
+        found = tl.zeros((), dtype=tl.int1)
+        o = tl.arange(0, IDS_BLOCK)
+        for start in range(0, n, IDS_BLOCK):
+            ids = tl.load(ids_ptr + start + o, mask=start + o < n, other=-1)
+            found = found | (tl.max(ids, axis=0) >= 0)
+        return found
+
+    @triton.jit
     def _penalty_kernel(in_ptr, in_stride, out_ptr, out_stride, V, slot_ptr, counts_ptr, prompt_ptr,
                         table_stride, rep_ptr, pres_ptr, freq_ptr,
                         banned_ptr, banned_stride, NB, stop_ptr, stop_stride, NS, left_ptr, written_ptr,
-                        COPY: tl.constexpr, SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                        COPY: tl.constexpr, SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        IDS_BLOCK: tl.constexpr):
         """One chunk of one row: out = the row's penalized logits (float32). COPY: out is a
         separate float32 tensor, so rows without penalties are copied (upcast) too; else in
         place, and those rows are left alone. SPARSE (with COPY): only the rows something
@@ -268,9 +279,9 @@ if triton is not None:
         penalized = (rp != 1.0) | (pres != 0.0) | (freq != 0.0)
         copy = COPY
         if SPARSE:
-            # id lists are left-packed: a row has ids iff its first entry is one
-            banned = tl.load(banned_ptr + row * banned_stride, mask=NB > 0, other=-1) >= 0
-            stops = tl.load(stop_ptr + row * stop_stride, mask=NS > 0, other=-1) >= 0
+            # any id >= 0 in the row's lists (the mask kernel writes every one of them)
+            banned = _any_id(banned_ptr + row * banned_stride, NB, IDS_BLOCK)
+            stops = _any_id(stop_ptr + row * stop_stride, NS, IDS_BLOCK)
             masked = banned | (stops & (tl.load(left_ptr + row) > 0))
             copy = masked
             if c == 0:
@@ -342,12 +353,13 @@ def apply_penalties_kernel(logits: torch.Tensor, slots: torch.Tensor, counts: to
     dst = logits if out is None else out
     grid = (triton.cdiv(v, PENALTY_CHUNK), s)
     st = sparse_for
-    banned = st.banned_ids if st is not None else slots.view(-1, 1)
-    stops = st.min_stop_ids if st is not None else slots.view(-1, 1)
+    banned = st.banned_ids.contiguous() if st is not None else slots.view(-1, 1)
+    stops = st.min_stop_ids.contiguous() if st is not None else slots.view(-1, 1)
     _penalty_kernel[grid](logits, logits.stride(0), dst, dst.stride(0), v, slots, counts,
                           prompt_mask.view(torch.uint8), counts.stride(0), rep, pres, freq,
                           banned, banned.stride(0), banned.shape[1], stops, stops.stride(0), stops.shape[1],
-                          st.min_tokens_left if st is not None else slots,
+                          st.min_tokens_left.contiguous() if st is not None else slots,
                           written if written is not None else slots,
-                          COPY=out is not None, SPARSE=st is not None, CHUNK=PENALTY_CHUNK, BLOCK=1024, num_warps=4)
+                          COPY=out is not None, SPARSE=st is not None, CHUNK=PENALTY_CHUNK, BLOCK=1024,
+                          IDS_BLOCK=64, num_warps=4)
     return dst

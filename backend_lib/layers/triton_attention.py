@@ -332,7 +332,6 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-
 def _check_common(q, k_cache, v_cache):
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; paged attention kernels unavailable")

@@ -448,6 +448,7 @@ def test_split_kernels_read_clean_rows_from_raw(case, small_scratch):
     st = _tensors(ROWS, seed0=11, **case)
     st.banned_ids = torch.full((ROWS, 4), -1, dtype=torch.int64, device=DEVICE)
     st.banned_ids[2, :2] = torch.tensor([3, 9])                 # row 2: banned ids only
+    st.banned_ids[0, 3] = 4                                     # row 0: an id after padding counts too
     st.min_stop_ids = torch.full((ROWS, 2), -1, dtype=torch.int64, device=DEVICE)
     st.min_stop_ids[3, 0], st.min_stop_ids[5, 0] = 0, 1         # row 3: masked stop; row 5: min_tokens reached
     st.min_tokens_left[3] = 2
@@ -459,7 +460,7 @@ def test_split_kernels_read_clean_rows_from_raw(case, small_scratch):
     sampling_kernels.apply_penalties_kernel(native, slots, counts, prompt, rep, pres, freq, out=out,
                                             sparse_for=st, written=written)
     penalized = ((rep[slots] != 1) | (pres[slots] != 0) | (freq[slots] != 0)).tolist()
-    assert written.tolist() == [int(penalized[r] or r in (2, 3)) for r in range(ROWS)]
+    assert written.tolist() == [int(penalized[r] or r in (0, 2, 3)) for r in range(ROWS)]
     assert 0 < sum(penalized) < ROWS and not penalized[6]
     assert torch.isnan(out[written == 0]).all()
     dense = sampling_kernels.apply_penalties_kernel(native, slots, counts, prompt, rep, pres, freq,
