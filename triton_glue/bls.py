@@ -28,6 +28,10 @@ What keeps tritonserver 2.51 (python_backend r24.10) alive:
 - A silent upstream ends the wait after `upstream_timeout_s` with an error naming it
   (upstream.BoundedResponses); the iterator cannot be interrupted on 24.10 (no cancel(), no
   timeout), so its helper thread stays until `llm` answers.
+- Every upstream response iterator that has ended stays referenced here until a later
+  request's is_cancelled() round trip (upstream.HeldIterators, at execute): dropped earlier,
+  r24.10 frees it on a stub thread without the GIL, the stub dies with SIGSEGV, and `llm`'s
+  sender then blocks for good in send() to that stub's requests (every route stalls).
 
 pb_utils is passed in; nothing here imports it.
 """
@@ -48,7 +52,7 @@ from .logprob_tensors import Logprobs
 from .stops import StopStringMatcher
 from .tokenize import encode_prompt, model_tokenizer, words_to_single_token_ids
 from .trtllm import parse_word_list, word_list_batch
-from .upstream import BoundedResponses, UpstreamGone, UpstreamSilent, UpstreamWatch
+from .upstream import BoundedResponses, HeldIterators, UpstreamGone, UpstreamSilent, UpstreamWatch
 
 log = logging.getLogger("triton_glue.bls")
 # Triton request ids of the BLS routes' requests to `llm`: `llm` answers them in-band (no error
@@ -160,6 +164,7 @@ class BlsRoute:
                                                  "BLS requests whose worker has not finished", 0)
         # waits on llm end with an error if its stub dies (2.51 would leave them waiting forever)
         self.upstream = UpstreamWatch(llm_model, on_death=self._upstream_died, gauge=self._alive_gauge(llm_model))
+        self.iterators = HeldIterators()
 
     def _route_gauge(self, name: str, description: str, value: float) -> Any:
         MF = getattr(self.pb, "MetricFamily", None)
@@ -233,6 +238,7 @@ class BlsRoute:
         (submit: the model's own, e.g. one that runs n sequences; default self.submit); one
         that fails to parse (InputError) gets the error as its only, FINAL, response."""
         pb = self.pb
+        self.barrier(requests)
         for request in requests:
             try:
                 arrays = {t.name(): t.as_numpy() for t in request.inputs()}
@@ -249,6 +255,12 @@ class BlsRoute:
                                                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
+    def barrier(self, requests: Any) -> None:
+        """First thing in execute (a model with its own execute calls it): releases the upstream
+        iterators whose stub-side cleanup has run (upstream.HeldIterators)."""
+        if requests:
+            self.iterators.barrier(requests[0])
+
     def submit(self, request: Any, parsed: TextRequest, sender: Any = None) -> None:
         """sender: the request's response sender, or a stand-in for it (a batch row's)."""
         sender = sender if sender is not None else request.get_response_sender()
@@ -262,6 +274,7 @@ class BlsRoute:
         self._gauge_family = None  # after its metric (the Python backend requires that order)
         self._families = []
         self.pool.shutdown(wait=True, cancel_futures=False)
+        self.iterators.close()
 
     # ---- worker thread --------------------------------------------------------------------
     def _run_safe(self, sender: "_Sender", req: TextRequest) -> None:
@@ -352,8 +365,12 @@ class BlsRoute:
                                   inputs=[pb.Tensor("cancel_request_id",
                                                     np.array([[key.encode()]], dtype=np.object_))],
                                   requested_output_names=[])
-        for _ in ctl.exec(decoupled=True):
-            pass
+        responses = ctl.exec(decoupled=True)
+        try:
+            for _ in responses:
+                pass
+        finally:
+            self.iterators.hold(responses)
 
     def _cancel_quietly(self, key: str) -> None:
         try:
@@ -371,7 +388,11 @@ class BlsRoute:
         upstream_request = self._llm_request(req, ids, bad, stop_seqs, key)
 
         def responses():  # exec() itself waits for the first response: on the helper thread
-            yield from upstream_request.exec(decoupled=True)
+            upstream = upstream_request.exec(decoupled=True)
+            try:
+                yield from upstream
+            finally:
+                self.iterators.hold(upstream)
 
         bounded = BoundedResponses(responses(), self.upstream, silence_s=self.upstream_timeout_s,
                                    silence_message=f"no response from model '{self.llm_model}' within "

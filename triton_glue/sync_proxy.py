@@ -12,7 +12,8 @@ batch_index order, padded with -1 (ids) or "" (text). As in TensorRT-LLM, stream
 error here ("Streaming is only supported in decoupled mode."). The upstream request is a BLS
 caller's (id "bls-..."): failures come back in-band in `error_message` (tritonserver 2.51
 loses the iterator id of an error response to a decoupled BLS request; see triton_glue/bls.py)
-and are turned into the client's error response here. pb_utils is passed in.
+and are turned into the client's error response here. Ended upstream iterators are released
+only at a later execute (upstream.HeldIterators, as in triton_glue/bls.py). pb_utils is passed in.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import numpy as np
 from .bls import CANCEL_PREFIX, ERROR_OUTPUT
 from .config import parameters_of
 from .inputs import get_bool
+from .upstream import HeldIterators
 
 log = logging.getLogger("triton_glue.sync_proxy")
 STREAMING_ERROR = "Streaming is only supported in decoupled mode."
@@ -69,9 +71,12 @@ class SyncProxy:
         self.pb = pb_utils
         self.target = target
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"sync-{target}")
+        self.iterators = HeldIterators()
 
     def execute(self, requests: Any) -> None:
         pb = self.pb
+        if requests:
+            self.iterators.barrier(requests[0])
         for request in requests:
             sender = request.get_response_sender()
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
@@ -94,17 +99,21 @@ class SyncProxy:
         pb = self.pb
         try:
             rows, error = [], None
-            for resp in upstream.exec(decoupled=True):
-                if resp.has_error():
-                    error = error or resp.error().message()
-                    continue
-                row = {t.name(): t.as_numpy() for t in resp.output_tensors()}
-                message = _text(row.get(ERROR_OUTPUT) if keep_error_output else row.pop(ERROR_OUTPUT, None))
-                if message:
-                    error = error or message
-                    continue
-                if row:
-                    rows.append(row)
+            responses = upstream.exec(decoupled=True)
+            try:
+                for resp in responses:
+                    if resp.has_error():
+                        error = error or resp.error().message()
+                        continue
+                    row = {t.name(): t.as_numpy() for t in resp.output_tensors()}
+                    message = _text(row.get(ERROR_OUTPUT) if keep_error_output else row.pop(ERROR_OUTPUT, None))
+                    if message:
+                        error = error or message
+                        continue
+                    if row:
+                        rows.append(row)
+            finally:
+                self.iterators.hold(responses)
             if error is not None:
                 response = pb.InferenceResponse(error=pb.TritonError(error))
             elif not rows:
@@ -118,6 +127,7 @@ class SyncProxy:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.iterators.close()
 
 
 def proxy_model(pb_utils: Any, default_target: str) -> type:

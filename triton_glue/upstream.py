@@ -108,6 +108,58 @@ class UpstreamWatch:
         self._gauge = None  # no call into the server after finalize
 
 
+class HeldIterators:
+    """Decoupled BLS response iterators whose last reference must be dropped here, with the GIL.
+
+    python_backend r24.10 (tritonserver 2.51): the stub keeps each such iterator in a map of its
+    own too, and erases it on its stub-to-server thread, which holds no GIL, when the cleanup
+    message queued by the iterator's final response reaches the head of that thread's queue. An
+    iterator Python has dropped by then dies in that erase, with every response it returned
+    and their tensors' NumPy arrays: Python objects freed without the GIL corrupt the
+    allocator, and the stub dies later with SIGSEGV in _PyObject_Malloc. tritonserver then
+    never completes `llm`'s sends to that stub's requests (its thread waits on the dead stub
+    for good), so `llm`'s sender blocks in send() and every route stalls.
+
+    That thread sends the stub's queued messages one at a time, in order: once an
+    is_cancelled() queued after an iterator's cleanup has returned, the erase has run, and
+    dropping the iterator here frees it with the GIL. hold() the iterators that have ended;
+    barrier() with a request that execute() has just received (no other thread polls it yet,
+    so its is_cancelled() is queued fresh, after every cleanup queued so far) releases the
+    ones held before it. At most the iterators of the requests since the last execute() stay."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._held: list = []  # (epoch at hold, iterator)
+
+    def hold(self, iterator: Any) -> None:
+        with self._lock:
+            self._held.append((self._epoch, iterator))
+
+    def barrier(self, request: Any) -> None:
+        with self._lock:
+            self._epoch += 1
+            epoch = self._epoch
+        try:
+            request.is_cancelled()
+        except Exception:  # noqa: BLE001 - no round trip, no proof: keep them
+            return
+        with self._lock:
+            done = [it for e, it in self._held if e < epoch]
+            self._held = [(e, it) for e, it in self._held if e >= epoch]
+        done.clear()  # the last references, here
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def close(self) -> None:
+        """At finalize, where no request comes to barrier on: lets them go, taking their cleanups
+        (queued when their streams ended, before the unload) to have run."""
+        with self._lock:
+            self._held = []
+
+
 class BoundedResponses:
     """Iterates an upstream response iterator; raises UpstreamGone instead of waiting forever
     on a dead upstream. Other attributes (e.g. cancel()) are those of the wrapped iterator."""

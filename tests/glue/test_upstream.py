@@ -1,12 +1,15 @@
 """BoundedResponses: a BLS route's wait on its upstream ends with an error when the upstream
-stub process dies, instead of blocking forever (tritonserver 2.51 never answers it)."""
+stub process dies, instead of blocking forever (tritonserver 2.51 never answers it).
+HeldIterators: an ended upstream iterator is let go only after a barrier that started after it
+was held (tests/server/test_bls_iterator_lifetime.py shows why, on a real server)."""
 import subprocess
 import threading
 import time
+import weakref
 
 import pytest
 
-from triton_glue.upstream import BoundedResponses, UpstreamGone, UpstreamWatch
+from triton_glue.upstream import BoundedResponses, HeldIterators, UpstreamGone, UpstreamWatch
 
 
 def test_passes_responses_through_and_ends():
@@ -84,3 +87,62 @@ def test_a_request_after_the_death_fails_at_once_and_is_never_sent():
     assert time.monotonic() - t0 < 1.0
     time.sleep(0.1)
     assert not sent
+
+
+class _Iterator:
+    """Stands in for a BLS response iterator (weakref-able, to see when it is let go)."""
+
+
+class _Request:
+    """A request whose is_cancelled() (the barrier's round trip) runs `during` first."""
+
+    def __init__(self, during=None, fails=False):
+        self.during, self.fails, self.asked = during, fails, 0
+
+    def is_cancelled(self):
+        self.asked += 1
+        if self.during is not None:
+            self.during()
+        if self.fails:
+            raise RuntimeError("stub shutting down")
+        return False
+
+
+def _held(held, n=1):
+    refs = []
+    for _ in range(n):
+        it = _Iterator()
+        refs.append(weakref.ref(it))
+        held.hold(it)
+    return refs
+
+
+def test_held_iterators_go_at_the_next_barrier_and_not_before():
+    held = HeldIterators()
+    refs = _held(held, 3)
+    assert all(r() is not None for r in refs) and held.held() == 3
+    request = _Request()
+    held.barrier(request)
+    assert request.asked == 1
+    assert all(r() is None for r in refs) and held.held() == 0
+
+
+def test_an_iterator_held_during_a_barrier_waits_for_the_next_one():
+    """Its cleanup may be queued after the barrier's round trip: only a later barrier proves it ran."""
+    held = HeldIterators()
+    before = _held(held)
+    during = []
+    held.barrier(_Request(during=lambda: during.extend(_held(held))))
+    assert before[0]() is None
+    assert during[0]() is not None and held.held() == 1
+    held.barrier(_Request())
+    assert during[0]() is None and held.held() == 0
+
+
+def test_a_failed_barrier_lets_nothing_go():
+    held = HeldIterators()
+    refs = _held(held, 2)
+    held.barrier(_Request(fails=True))
+    assert all(r() is not None for r in refs) and held.held() == 2
+    held.close()
+    assert all(r() is None for r in refs) and held.held() == 0

@@ -68,10 +68,10 @@ class _Group:
         self.error = None  # why the engine refused a row: the request's one error, on its last row's end
 
 
-# The stub's hot calls into the server (send, is_cancelled) go one at a time. tritonserver 2.51
-# hung in the soak test (2 cores) with the sender in send() and the monitor in is_cancelled()
-# at once, and at once with 4 sender threads (bench/RESULTS.md); it has since hung with send()
-# alone in flight too, so this lock does not prevent that hang: it only keeps the calls apart.
+# The stub's hot calls into the server (send, is_cancelled) go one at a time. No guard against
+# a send() that never returns: that is a send to a BLS route's request whose stub has died
+# (tritonserver 2.51 waits on the dead stub for good; triton_glue/upstream.HeldIterators keeps
+# our BLS stubs from the crash that did it in the soak test), and nothing here can end it.
 _SERVER_CALL = threading.Lock()
 
 

@@ -45,6 +45,7 @@ class TritonPythonModel:
         self.route = BlsRoute.from_model_args(pb_utils, args, preprocessing=True, make_response=_response)
 
     def execute(self, requests):
+        self.route.barrier(requests)
         for request in requests:
             try:
                 reject_unknown_parameters(request.parameters())
