@@ -89,6 +89,20 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _keep_better(score, offs, best_v, best_i):
+        """Per-lane running winners (reduced once, by _lane_winner): strict > keeps a lane's
+        lowest index on ties, as lanes see increasing offsets."""
+        upd = score > best_v
+        return tl.where(upd, score, best_v), tl.where(upd, offs, best_i)
+
+    @triton.jit
+    def _lane_winner(best_v, best_i):
+        """(best score, its lowest index) over the lanes; all -inf: index 0, as argmax."""
+        best = tl.max(best_v, axis=0)
+        tok = tl.min(tl.where(best_v == best, best_i, 2147483647), axis=0)
+        return best, tl.where(best > float("-inf"), tok, 0)
+
+    @triton.jit
     def _filters(top_k_ptr, top_p_ptr, min_p_ptr, row, V):
         k = tl.load(top_k_ptr + row).to(tl.int32)
         p = tl.load(top_p_ptr + row)
@@ -111,8 +125,8 @@ if triton is not None:
         T = tl.load(temp_ptr + row)
         ninf = float("-inf")
         first = c * CHUNK
-        # Per-lane running winners, reduced once at the end (a block reduction per step would
-        # cost more than the step's arithmetic). Strict > keeps a lane's lowest index on ties.
+        # Per-lane running values, reduced once at the end: a block reduction per step would
+        # cost more than the step's arithmetic.
         best_v = tl.full((BLOCK,), ninf, tl.float32)
         best_i = tl.zeros((BLOCK,), dtype=tl.int32)
         m_v = tl.full((BLOCK,), ninf, tl.float32)
@@ -129,9 +143,7 @@ if triton is not None:
                 x = _load_x(row_ptr, raw_row, dense, offs, inb, ninf)
                 z = tl.math.div_rn(x, T)
                 s = tl.where(inb, z + _gumbel(key, offs), ninf)
-                upd = s > best_v
-                best_i = tl.where(upd, offs, best_i)
-                best_v = tl.where(upd, s, best_v)
+                best_v, best_i = _keep_better(s, offs, best_v, best_i)
                 if stats:
                     m_v = tl.maximum(m_v, z)
                     zmin_v = tl.minimum(zmin_v, tl.where(z > ninf, z, float("inf")))
@@ -139,12 +151,8 @@ if triton is not None:
             for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, ninf)
-                upd = x > best_v
-                best_i = tl.where(upd, offs, best_i)
-                best_v = tl.where(upd, x, best_v)
-        best = tl.max(best_v, axis=0)
-        tok = tl.min(tl.where(best_v == best, best_i, 2147483647), axis=0)
-        tok = tl.where(best > ninf, tok, 0)
+                best_v, best_i = _keep_better(x, offs, best_v, best_i)
+        best, tok = _lane_winner(best_v, best_i)
         m = tl.max(m_v, axis=0)
         zmin = tl.min(zmin_v, axis=0)
         at = row * C + c
@@ -460,7 +468,7 @@ if triton is not None:
             thr = tl.load(state_f + F_THR * S + row)
             key = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
             ninf = float("-inf")
-            best_v = tl.full((BLOCK,), ninf, tl.float32)   # per-lane winners, as in _pass1
+            best_v = tl.full((BLOCK,), ninf, tl.float32)
             best_i = tl.zeros((BLOCK,), dtype=tl.int32)
             first = c * CHUNK
             for sub in range(0, CHUNK, BLOCK):
@@ -469,12 +477,8 @@ if triton is not None:
                 x = _load_x(row_ptr, raw_row, dense, offs, inb, ninf)
                 z = tl.math.div_rn(x, T)
                 s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
-                upd = s > best_v
-                best_i = tl.where(upd, offs, best_i)
-                best_v = tl.where(upd, s, best_v)
-            best = tl.max(best_v, axis=0)
-            tok = tl.min(tl.where(best_v == best, best_i, 2147483647), axis=0)
-            tok = tl.where(best > ninf, tok, 0)
+                best_v, best_i = _keep_better(s, offs, best_v, best_i)
+            best, tok = _lane_winner(best_v, best_i)
             tl.store(part_f + row * C + c, best)
             tl.store(part_i + row * C + c, tok)
 
