@@ -381,6 +381,11 @@ class TritonPythonModel:
                     flags = FINAL
             with _SERVER_CALL:
                 g.sender.send(response, flags=flags)
+            if flags:
+                # Drop the sender now, while the backend is up, and the group <-> rows cycle
+                # with it: left to the cyclic collector, a sender can be freed at the stub's
+                # exit, after its shared memory is unmapped (a segfault in the stub).
+                g.sender, g.rows = None, []
 
     @staticmethod
     def _is_cancelled(ctx):
@@ -405,7 +410,7 @@ class TritonPythonModel:
     def _cancel_key(self, key):
         with self._lock:
             group = self._by_key.get(key)
-        if group is not None:
+        if group is not None and group.rows:
             self._cancel(group.rows[0])
 
     def _cancel(self, ctx):
