@@ -344,9 +344,11 @@ def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
         bls = [s for s in streams if s.out.route in ("llm_bls", "vllm_model")]
         for s in bls:
             s.out.done.wait(max(0.0, t0 + 10 - time.monotonic()))
-        assert all(s.out.end == "error" and "llm" in s.out.message and "died" in s.out.message for s in bls), \
-            ([(s.out.route, s.out.proto, s.out.end, round(s.out.t_end - t0, 1) if s.out.t_end else None,
-               s.out.message[:100]) for s in bls], srv.log_tail(60))
+        named = all(s.out.end == "error" and "llm" in s.out.message and "died" in s.out.message for s in bls)
+        if not named:
+            print(srv.log_tail(300))  # shown whole under "Captured stdout" (the assertion's repr is cut)
+        assert named, [(s.out.route, s.out.proto, s.out.end, round(s.out.t_end - t0, 1) if s.out.t_end else None,
+                        s.out.message[:100]) for s in bls]
         gauge = metric_value(srv.metrics_port, "bls_upstream_alive")
         assert gauge.get("llm_bls") == 0.0 and gauge.get("vllm_model") == 0.0, gauge
         assert set(gauge.values()) == {0.0}, gauge  # every BLS route over llm
