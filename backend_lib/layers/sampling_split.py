@@ -168,9 +168,8 @@ if triton is not None:
         inc = o < C
         pb = tl.load(part_f + row * C + o, mask=inc, other=float("-inf"))
         pi = tl.load(part_i + row * C + o, mask=inc, other=2147483647)
-        best = tl.max(pb, axis=0)
-        tok = tl.min(tl.where(inc & (pb == best), pi, 2147483647), axis=0)
-        return tl.where(best > float("-inf"), tok, 0)
+        best, tok = _lane_winner(pb, pi)  # padding: -inf scores, never the lowest index
+        return tok
 
     @triton.jit
     def _combine1(logits_ptr, stride, raw_ptr, raw_stride, written_ptr, DUAL: tl.constexpr, V,
