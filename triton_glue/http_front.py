@@ -169,11 +169,19 @@ class BodyLimitProxy:
                 return self._unavailable()
             if resp.content_type != "text/event-stream":
                 raise ConnectionResetError(self._fail_message) from None
-            await resp.write(f"data: {json.dumps({'error': self._fail_message})}\n\n".encode())
-            await resp.write_eof()
+            await self._end_stream(resp, self._fail_message, ConnectionResetError(self._fail_message))
             return resp
         finally:
             self._active.discard(task)
+
+    @staticmethod
+    async def _end_stream(resp, message: str, cause: BaseException) -> None:
+        """An error event, then the end of the stream; a client already gone gets `cause`."""
+        try:
+            await resp.write(f"data: {json.dumps({'error': message})}\n\n".encode())
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            raise cause from None
 
     def _unavailable(self):
         from aiohttp import web
@@ -213,7 +221,14 @@ class BodyLimitProxy:
                 await resp.write_eof()
                 return resp
         except (ClientError, ConnectionError, asyncio.TimeoutError) as e:
-            if "resp" in state and state["resp"].prepared:
+            resp = state.get("resp")
+            if resp is not None and resp.prepared:
+                if resp.content_type == "text/event-stream" and isinstance(e, ClientError):
+                    # tritonserver broke the stream off (it crashed or was killed): the client
+                    # gets an error event, as for any other error mid-stream, not a bare reset
+                    await self._end_stream(resp, f"tritonserver ended the stream before its final response "
+                                                 f"(the server may have crashed): {e!r}", e)
+                    return resp
                 raise  # the response has started: drop the connection, the client sees it
             return web.Response(status=502, content_type="application/json",
                                 text=json.dumps({"error": f"tritonserver HTTP endpoint unavailable: {e!r}"}))

@@ -20,6 +20,8 @@ So the supervisor
     once the BLS routes have ended the streams that waited on the dead stub with the error
     naming it (their `bls_inflight_requests` gauges read 0), at most `stub_death_grace_s`
     after the death: stopping sooner would break those gRPC streams with no reason given;
+  - logs a tritonserver exit it did not ask for (a crash: the Python backend of 2.51 can
+    abort the whole server when a stub dies, see tests/server/test_faults.py);
   - after tritonserver exits, kills what is left of its group, reaps the orphans and removes
     the /dev/shm regions of every stub it saw (the region name is the stub's 2nd argument).
 """
@@ -126,6 +128,16 @@ def stub_info(pid: int, server_pid: Optional[int] = None) -> Optional[StubInfo]:
     return StubInfo(pid, model, argv[2], instance=argv[8] != model)
 
 
+def exit_words(rc: int) -> str:
+    """A Popen return code in words: "died of SIGABRT" or "exited with status 3"."""
+    if rc < 0:
+        try:
+            return f"died of {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"died of signal {-rc}"
+    return f"exited with status {rc}"
+
+
 def log(msg: str) -> None:
     print(f"[serve] {msg}", file=sys.stderr, flush=True)
 
@@ -161,6 +173,7 @@ class Supervisor:
     child: Optional[subprocess.Popen] = None
     _kill_at: Optional[float] = None
     _stop_reason: Optional[str] = None
+    _signalled: bool = False             # we sent tritonserver a signal (its exit status is ours)
     _stub_died: Optional[StubInfo] = None
     _death_at: Optional[float] = None    # when a stub death was seen: a stop is due
     _drained_at: Optional[float] = None  # when the BLS routes were first seen with nothing in flight
@@ -172,6 +185,7 @@ class Supervisor:
         self.child = subprocess.Popen(self.argv, env=self.env, preexec_fn=child_preexec(self.stack_bytes),
                                       start_new_session=True)
         rc = None
+        crashed = False
         try:
             while rc is None:
                 try:
@@ -188,12 +202,16 @@ class Supervisor:
                         self._kill_at = None
         finally:
             self._watch_stubs("exited")
+            crashed = rc is not None and rc != 0 and not self._signalled
+            if crashed:
+                log(f"error: tritonserver {exit_words(rc)} without being asked to stop; "
+                    "its clients' streams ended there")
             if self.on_stop is not None:
                 self.on_stop()
             self._cleanup()
-        if self._stub_died is not None:
+        if self._stub_died is not None and not crashed:
             return 1
-        return rc if rc >= 0 else 128 - rc
+        return rc if rc >= 0 else 128 - rc  # a crash is reported as such, even after a stub death
 
     # ---- stopping -----------------------------------------------------------------------
     def _on_signal(self, signum, _frame) -> None:
@@ -212,12 +230,14 @@ class Supervisor:
         self._stop_reason = reason
         log(f"{reason}: stopping tritonserver (exit timeout {self.exit_timeout_s} s)")
         self._kill_at = time.monotonic() + self.exit_timeout_s + self.grace_s
+        self._signalled = True
         try:
             self.child.send_signal(signal.SIGINT)
         except ProcessLookupError:
             pass
 
     def _killpg(self, sig: int) -> None:
+        self._signalled = True
         try:
             os.killpg(self.child.pid, sig)
         except (ProcessLookupError, PermissionError):

@@ -1,7 +1,8 @@
 """triton_glue.http_front against a stand-in upstream (aiohttp): bodies over the limit get 413
 (with Content-Length or chunked), smaller ones pass unchanged, event streams pass chunk by
-chunk, generate values of the wrong JSON type get 400 naming the key, and fail_inflight ends
-a live event stream with an error event."""
+chunk, generate values of the wrong JSON type get 400 naming the key, an event stream that
+tritonserver breaks off ends with an error event, and fail_inflight ends a live event stream
+with an error event."""
 from __future__ import annotations
 
 import asyncio
@@ -46,6 +47,9 @@ def front():
         for i in range(3):
             await resp.write(f"data: {{\"i\": {i}}}\n\n".encode())
             await asyncio.sleep(0.05)
+        if request.query.get("crash"):   # the server dies mid-stream: the connection just closes
+            request.transport.abort()
+            return resp
         while not release.is_set():   # then hangs, like a request on a dead stub
             await asyncio.sleep(0.05)
         try:
@@ -106,6 +110,20 @@ def test_generate_values_of_the_wrong_json_type_get_400_naming_the_key(front):
     assert status == 400 and json.loads(text)["error"].startswith("text_input: must be a string"), text
     # keys that are not inputs are the model's business (request parameters)
     status, _ = request(port, "POST", "/v2/models/m/generate", json.dumps({"text_input": "a", "temprature": "x"}))
+    assert status == 200
+
+
+def test_an_event_stream_broken_off_upstream_ends_with_an_error_event(front):
+    _, port, _ = front
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", "/v2/models/m/generate_stream?crash=1", body=b"{}")
+    r = c.getresponse()
+    assert r.status == 200
+    events = [json.loads(line[5:]) for line in r if line.startswith(b"data:")]
+    assert events[:3] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert len(events) == 4 and events[3]["error"].startswith(
+        "tritonserver ended the stream before its final response (the server may have crashed): "), events
+    status, _ = request(port, "POST", "/echo", b"z")  # the front still serves
     assert status == 200
 
 

@@ -36,6 +36,9 @@ SERVER = textwrap.dedent("""
     elif mode == "crash":          # a server that dies on its own
         time.sleep(1.0)
         os._exit(11)
+    elif mode == "killed":         # a server killed by a signal (a crash, an OOM kill)
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(600)
 """)
 
@@ -102,11 +105,14 @@ def test_sigint_leaves_no_stub_and_no_shm_region(tmp_path, mode):
         shm.unlink(missing_ok=True)
 
 
-def test_a_crashed_server_leaves_no_stub_and_no_shm_region(tmp_path):
-    sup, shm, stub = _run_supervised(tmp_path, "crash")
+@pytest.mark.parametrize("mode,rc,words", [("crash", 11, "exited with status 11"),
+                                           ("killed", 128 + 9, "died of SIGKILL")])
+def test_a_crashed_server_leaves_no_stub_and_no_shm_region(tmp_path, mode, rc, words):
+    sup, shm, stub = _run_supervised(tmp_path, mode)
     try:
         out, _ = sup.communicate(timeout=15)
-        assert sup.returncode == 11, out
+        assert sup.returncode == rc, out
+        assert f"[serve] error: tritonserver {words} without being asked to stop" in out, out
         assert not _stub_pids(stub) and not shm.exists(), out
     finally:
         for pid in _stub_pids(stub):
