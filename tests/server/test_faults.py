@@ -46,6 +46,7 @@ class Launched:
     grpc_port: int
     metrics_port: int
     log_path: Path
+    server_pgids: set = field(default_factory=set)  # tritonserver's group, kept after it died
 
     @property
     def pgid(self) -> int:
@@ -71,7 +72,9 @@ class Launched:
     def members(self) -> list[procs.Proc]:
         """Every live process of the launcher's group and of tritonserver's group."""
         ts = self.tritonserver()
-        groups = {self.pgid} | ({ts.pgid} if ts else set())
+        if ts is not None:
+            self.server_pgids.add(ts.pgid)
+        groups = {self.pgid} | self.server_pgids
         return [p for p in procs.all_procs() if p.pgid in groups and p.state != "Z"]
 
     def log_tail(self, n: int = 80) -> str:
