@@ -161,6 +161,10 @@ class Supervisor:
     # requests in flight in the BLS routes (the sum of their gauges), None when unknown
     bls_inflight: Callable[[], Optional[float]] = lambda: None
     poll_s: float = 0.5
+    # until the server is first seen ready: "down" then means "not listening yet", so a SIGINT
+    # sent to tritonserver right after it got ready is only recognised as a shutdown if one
+    # poll saw it ready (a test did it 0.35 s after ready, between two 0.5 s polls)
+    startup_poll_s: float = 0.05
     on_stop: Optional[Callable[[], None]] = None   # e.g. close the HTTP front
     on_stub_death: Optional[Callable[[str], None]] = None  # e.g. end the HTTP front's streams
     # tritonserver's HTTP health: "ready", "down" (the endpoint resets or refuses connections:
@@ -175,6 +179,7 @@ class Supervisor:
     _stop_reason: Optional[str] = None
     _signalled: bool = False             # we sent tritonserver a signal (its exit status is ours)
     _stub_died: Optional[StubInfo] = None
+    _next_stub_scan: float = 0.0
     _death_at: Optional[float] = None    # when a stub death was seen: a stop is due
     _drained_at: Optional[float] = None  # when the BLS routes were first seen with nothing in flight
 
@@ -189,11 +194,13 @@ class Supervisor:
         try:
             while rc is None:
                 try:
-                    rc = self.child.wait(self.poll_s)
+                    rc = self.child.wait(self.poll_s if self._was_ready else self.startup_poll_s)
                 except subprocess.TimeoutExpired:
                     state = self.server_state() if self._stop_reason is None else "stopping"
                     self._watch_server(state)
-                    self._watch_stubs(state)
+                    if time.monotonic() >= self._next_stub_scan:  # a /proc scan: at poll_s
+                        self._next_stub_scan = time.monotonic() + self.poll_s
+                        self._watch_stubs(state)
                     self._stop_if_due()
                     if self._kill_at is not None and time.monotonic() >= self._kill_at:
                         log(f"tritonserver did not exit within {self.exit_timeout_s + self.grace_s:.0f} s "

@@ -115,17 +115,21 @@ def test_merged_outputs_behind_a_slow_callback(path, generate_reference):
     c = EngineProcessClient(EngineConfig(model_path=path, **KW), merge_queued_outputs=True)
     calls: dict[str, list] = {}
     lock = threading.Lock()
-    # Callbacks run one after another: half a step each makes a pass over the ~16 running
-    # requests several steps long (merged tokens), however fast this machine is.
-    # A step's time from a warm request's wall time (24 tokens, 24 steps or so): stats() may
-    # give nothing yet on a cold first run (its reply can take longer than STATS_TIMEOUT_S).
+    # Callbacks run one after another. The first one stalls for a second while the engine
+    # keeps stepping, so every request's outputs of those steps queue up behind it (merged
+    # tokens), however fast or loaded this machine is; the later ones take half a step (a
+    # step's time from a warm request: 24 tokens, 24 steps or so), so that merging goes on.
     t0 = time.perf_counter()
     list(c.add_request("warm", [5, 6, 7], greedy(24, ignore_eos=True)))
     step_s = (time.perf_counter() - t0) / 24
+    stalled = threading.Event()
 
     def cb(out):
         with lock:
             calls.setdefault(out.request_id, []).append(out)
+        if not stalled.is_set():
+            stalled.set()
+            time.sleep(1.0)
         time.sleep(max(0.001, 0.5 * step_s))
 
     try:

@@ -276,3 +276,36 @@ def test_a_process_forked_by_a_stub_is_no_stub(tmp_path):
             os.kill(child, signal.SIGKILL)
         except (ProcessLookupError, UnboundLocalError):
             pass
+
+
+SHUTDOWN_SOON_AFTER_READY = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    from triton_glue.supervisor import Supervisor
+    # the server: ignores SIGINT (its exit hangs, as 2.51's can after its exit timeout)
+    server = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "print('up', flush=True); time.sleep(60)"]
+    t0 = time.monotonic()
+    def state():
+        # not listening for 0.6 s, ready for 0.3 s, then down: a SIGINT sent to it right after
+        # "ready" (polls every 0.5 s from the start would only ever see it down)
+        return "ready" if 0.6 <= time.monotonic() - t0 < 0.9 else "down"
+    sys.exit(Supervisor(server, {}, exit_timeout_s=1, server_state=state).run())
+""")
+
+
+def test_a_shutdown_right_after_ready_is_still_bounded():
+    """tritonserver told to stop (by someone else) 0.3 s after it got ready, then hanging on
+    exit: the supervisor saw it ready (it polls fast until then), so it recognises the
+    shutdown and kills the server after the exit timeout."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", SHUTDOWN_SOON_AFTER_READY], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert "tritonserver is shutting down (its HTTP endpoint closed)" in r.stderr, r.stderr
+    assert "killing its process group" in r.stderr, r.stderr
+    assert r.returncode == 128 + 9 and time.monotonic() - t0 < 10, (r.returncode, r.stderr)
