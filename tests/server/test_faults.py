@@ -348,6 +348,11 @@ def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
         for s in bls:
             s.out.done.wait(max(0.0, t0 + 10 - time.monotonic()))
         named = all(s.out.end == "error" and "llm" in s.out.message and "died" in s.out.message for s in bls)
+        if not named:
+            try:
+                srv.proc.wait(SIGNAL_BOUND_S)  # the launcher logs a crash once tritonserver is gone
+            except subprocess.TimeoutExpired:
+                pass
         if not named and aborted_in_response_send(srv):
             # tritonserver 2.51 itself died of the stub's death (see aborted_in_response_send):
             # nothing could answer the BLS routes' gRPC clients; the crash must be handled as one
