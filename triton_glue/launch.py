@@ -21,6 +21,9 @@ Environment variables read here (all of them, in one place):
                             endpoint on HTTP_PORT (2.51 crashes on bodies of ~half its stack size)
     TRITON_EXIT_TIMEOUT_SECS  --exit-timeout-secs (serve only; default 10); the supervisor kills
                             the server's process group 3 s after it (triton_glue/supervisor.py)
+    TRITON_STARTUP_TIMEOUT_SECS  the supervisor stops a tritonserver not ready this long after
+                            it started (serve only; default 900; 0: no bound): 2.51's Python
+                            backend can hang a model load for good (triton_glue/supervisor.py)
     TRITON_ACCESS_KEY       value of the `triton-access-key` header that unlocks the restricted
                             APIs (model-repository, shared-memory, logging); unset: a random key
                             is generated, i.e. the APIs stay closed
@@ -161,6 +164,7 @@ class ServerOptions:
     access_key: Optional[str] = None      # None: generated; "" : restricted APIs open
     log_verbose: int = 0
     exit_timeout_s: int = 30
+    startup_timeout_s: int = 900          # 0: none
     extra_args: tuple[str, ...] = ()
 
 
@@ -205,6 +209,7 @@ def options_from_env(args: argparse.Namespace) -> ServerOptions:
         access_key=key,
         log_verbose=int(os.environ.get("TRITON_LOG_VERBOSE", "0")),
         exit_timeout_s=int(os.environ.get("TRITON_EXIT_TIMEOUT_SECS", "10")),
+        startup_timeout_s=int(os.environ.get("TRITON_STARTUP_TIMEOUT_SECS", "900")),
         extra_args=tuple(args.extra),
     )
 
@@ -290,7 +295,7 @@ def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict
     env["TRITON_HTTP_PORT"] = str(opts.http_port)  # the llm model watches readiness there
     sys.stdout.flush()
     metrics_host = "127.0.0.1" if opts.address in ("0.0.0.0", "::", "") else opts.address
-    sup = Supervisor(cmd, env, exit_timeout_s=opts.exit_timeout_s,
+    sup = Supervisor(cmd, env, exit_timeout_s=opts.exit_timeout_s, startup_timeout_s=opts.startup_timeout_s or None,
                      on_stop=front.stop if front is not None else None,
                      on_stub_death=front.fail_inflight if front is not None else None,
                      server_state=lambda: _http_state(opts.http_port),

@@ -22,6 +22,10 @@ So the supervisor
     after the death: stopping sooner would break those gRPC streams with no reason given;
   - logs a tritonserver exit it did not ask for (a crash: the Python backend of 2.51 can
     abort the whole server when a stub dies, see tests/server/test_faults.py);
+  - stops a server that is not ready `startup_timeout_s` after it started (exit status 1):
+    2.51's Python backend can hang a model load for good (its stub launcher, having judged a
+    stub unhealthy while its model initialised on a loaded machine, waits for that stub to
+    exit, and the stub, initialised, waits for work: seen once, in a test run beside others);
   - after tritonserver exits, kills what is left of its group, reaps the orphans and removes
     the /dev/shm regions of every stub it saw (the region name is the stub's 2nd argument).
 """
@@ -165,6 +169,7 @@ class Supervisor:
     # sent to tritonserver right after it got ready is only recognised as a shutdown if one
     # poll saw it ready (a test did it 0.35 s after ready, between two 0.5 s polls)
     startup_poll_s: float = 0.05
+    startup_timeout_s: Optional[float] = None  # not ready this long after the start: stop it
     on_stop: Optional[Callable[[], None]] = None   # e.g. close the HTTP front
     on_stub_death: Optional[Callable[[str], None]] = None  # e.g. end the HTTP front's streams
     # tritonserver's HTTP health: "ready", "down" (the endpoint resets or refuses connections:
@@ -180,6 +185,7 @@ class Supervisor:
     _signalled: bool = False             # we sent tritonserver a signal (its exit status is ours)
     _stub_died: Optional[StubInfo] = None
     _next_stub_scan: float = 0.0
+    _never_ready: bool = False
     _death_at: Optional[float] = None    # when a stub death was seen: a stop is due
     _drained_at: Optional[float] = None  # when the BLS routes were first seen with nothing in flight
 
@@ -189,6 +195,7 @@ class Supervisor:
             signal.signal(s, self._on_signal)
         self.child = subprocess.Popen(self.argv, env=self.env, preexec_fn=child_preexec(self.stack_bytes),
                                       start_new_session=True)
+        started = time.monotonic()
         rc = None
         crashed = False
         try:
@@ -202,6 +209,7 @@ class Supervisor:
                         self._next_stub_scan = time.monotonic() + self.poll_s
                         self._watch_stubs(state)
                     self._stop_if_due()
+                    self._stop_if_never_ready(started)
                     if self._kill_at is not None and time.monotonic() >= self._kill_at:
                         log(f"tritonserver did not exit within {self.exit_timeout_s + self.grace_s:.0f} s "
                             f"of {self._stop_reason}: killing its process group")
@@ -216,7 +224,7 @@ class Supervisor:
             if self.on_stop is not None:
                 self.on_stop()
             self._cleanup()
-        if self._stub_died is not None and not crashed:
+        if (self._stub_died is not None or self._never_ready) and not crashed:
             return 1
         return rc if rc >= 0 else 128 - rc  # a crash is reported as such, even after a stub death
 
@@ -310,6 +318,15 @@ class Supervisor:
             if not drained:
                 log(f"the BLS routes still had requests in flight {waited:.1f} s after the stub died")
             self.stop(f"stub of '{self._stub_died.model}' died")
+
+    def _stop_if_never_ready(self, started: float) -> None:
+        if (self.startup_timeout_s is None or self._was_ready or self._stop_reason is not None
+                or time.monotonic() - started < self.startup_timeout_s):
+            return
+        self._never_ready = True
+        log(f"error: tritonserver is not ready {self.startup_timeout_s:.0f} s after it started "
+            "(TRITON_STARTUP_TIMEOUT_SECS); a model load may hang: see the log above")
+        self.stop("start-up timeout")
 
     def _cleanup(self) -> None:
         """After tritonserver exited: its stubs get a moment to exit on their own (they notice

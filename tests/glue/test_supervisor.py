@@ -309,3 +309,28 @@ def test_a_shutdown_right_after_ready_is_still_bounded():
     assert "tritonserver is shutting down (its HTTP endpoint closed)" in r.stderr, r.stderr
     assert "killing its process group" in r.stderr, r.stderr
     assert r.returncode == 128 + 9 and time.monotonic() - t0 < 10, (r.returncode, r.stderr)
+
+
+NEVER_READY = textwrap.dedent("""
+    import sys
+    from triton_glue.supervisor import Supervisor
+    # the server: a model load that hangs (SIGINT is only acted on after the load)
+    server = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "time.sleep(60)"]
+    sys.exit(Supervisor(server, {}, exit_timeout_s=1, grace_s=0.5, startup_timeout_s=1.0,
+                        server_state=lambda: "down").run())
+""")
+
+
+def test_a_server_never_ready_is_stopped_after_the_startup_timeout():
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", NEVER_READY], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    assert "[serve] error: tritonserver is not ready 1 s after it started (TRITON_STARTUP_TIMEOUT_SECS)" in err, err
+    assert "start-up timeout: stopping tritonserver" in err and "killing its process group" in err, err
+    assert proc.returncode == 1 and time.monotonic() - t0 < 10, (proc.returncode, err)
