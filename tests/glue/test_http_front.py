@@ -113,13 +113,23 @@ def test_generate_values_of_the_wrong_json_type_get_400_naming_the_key(front):
     assert status == 200
 
 
-def test_an_event_stream_broken_off_upstream_ends_with_an_error_event(front):
-    _, port, _ = front
+def events_of(port: int, path: str, on_event=lambda events: None) -> list:
+    """The data events of an event stream, in order; on_event(events) after each."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    c.request("POST", "/v2/models/m/generate_stream?crash=1", body=b"{}")
+    c.request("POST", path, body=b"{}")
     r = c.getresponse()
     assert r.status == 200
-    events = [json.loads(line[5:]) for line in r if line.startswith(b"data:")]
+    events = []
+    for line in r:
+        if line.startswith(b"data:"):
+            events.append(json.loads(line[5:]))
+            on_event(events)
+    return events
+
+
+def test_an_event_stream_broken_off_upstream_ends_with_an_error_event(front):
+    _, port, _ = front
+    events = events_of(port, "/v2/models/m/generate_stream?crash=1")
     assert events[:3] == [{"i": 0}, {"i": 1}, {"i": 2}]
     assert len(events) == 4 and events[3]["error"].startswith(
         "tritonserver ended the stream before its final response (the server may have crashed): "), events
@@ -129,16 +139,12 @@ def test_an_event_stream_broken_off_upstream_ends_with_an_error_event(front):
 
 def test_event_streams_pass_and_fail_inflight_ends_them_with_an_error(front):
     proxy, port, _ = front
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    c.request("POST", "/v2/models/m/generate_stream", body=b"{}")
-    r = c.getresponse()
-    assert r.status == 200
-    events = []
-    for line in r:
-        if line.startswith(b"data:"):
-            events.append(json.loads(line[5:]))
-            if len(events) == 3:
-                proxy.fail_inflight("the Python stub of model 'llm' died")
+
+    def fail_after_three(events):
+        if len(events) == 3:
+            proxy.fail_inflight("the Python stub of model 'llm' died")
+
+    events = events_of(port, "/v2/models/m/generate_stream", fail_after_three)
     assert events[:3] == [{"i": 0}, {"i": 1}, {"i": 2}]
     assert events[3:] == [{"error": "the Python stub of model 'llm' died"}]
     status, text = request(port, "GET", "/v2/models/m")

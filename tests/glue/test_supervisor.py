@@ -278,6 +278,18 @@ def test_a_process_forked_by_a_stub_is_no_stub(tmp_path):
             pass
 
 
+def _run_script(code: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    """Run a supervisor script in a session of its own; killed (with what it started) at the timeout."""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 SHUTDOWN_SOON_AFTER_READY = textwrap.dedent("""
     import signal, subprocess, sys, time
     from triton_glue.supervisor import Supervisor
@@ -298,14 +310,7 @@ def test_a_shutdown_right_after_ready_is_still_bounded():
     exit: the supervisor saw it ready (it polls fast until then), so it recognises the
     shutdown and kills the server after the exit timeout."""
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", SHUTDOWN_SOON_AFTER_READY], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    r = _run_script(SHUTDOWN_SOON_AFTER_READY)
     assert "tritonserver is shutting down (its HTTP endpoint closed)" in r.stderr, r.stderr
     assert "killing its process group" in r.stderr, r.stderr
     assert r.returncode == 128 + 9 and time.monotonic() - t0 < 10, (r.returncode, r.stderr)
@@ -324,13 +329,8 @@ NEVER_READY = textwrap.dedent("""
 
 def test_a_server_never_ready_is_stopped_after_the_startup_timeout():
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", NEVER_READY], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
+    r = _run_script(NEVER_READY)
+    err = r.stderr
     assert "[serve] error: tritonserver is not ready 1 s after it started (TRITON_STARTUP_TIMEOUT_SECS)" in err, err
     assert "start-up timeout: stopping tritonserver" in err and "killing its process group" in err, err
-    assert proc.returncode == 1 and time.monotonic() - t0 < 10, (proc.returncode, err)
+    assert r.returncode == 1 and time.monotonic() - t0 < 10, (r.returncode, err)
