@@ -13,6 +13,8 @@ Environment variables read here:
     TRITON_HTTP_PORT  the server's HTTP port, exported by triton_glue.launch (and the container
                       entrypoint) so the llm model can notice an unload (its readiness drops)
                       and abort in-flight streams instead of making the unload wait for them.
+    TRITON_HTTP_HOST  the address to reach it at (default 127.0.0.1; the launcher exports the
+                      bind address when tritonserver listens on one address only)
 """
 from __future__ import annotations
 
@@ -26,11 +28,19 @@ MODEL_PATH_ENV = "MODEL_PATH"
 TOKENIZER_PATH_ENV = "TOKENIZER_PATH"
 LLM_PARAM_PREFIX = "LLM_PARAM_"
 HTTP_PORT_ENV = "TRITON_HTTP_PORT"
+HTTP_HOST_ENV = "TRITON_HTTP_HOST"
+
+
+def reachable_host(bind_address: str) -> str:
+    """Where a local client reaches a server bound to `bind_address` (a URL's host part)."""
+    host = "127.0.0.1" if bind_address in ("0.0.0.0", "::", "") else bind_address
+    return f"[{host}]" if ":" in host else host
 
 
 def server_http_url() -> Optional[str]:
     port = os.environ.get(HTTP_PORT_ENV, "").strip()
-    return f"http://127.0.0.1:{port}" if port.isdigit() else None
+    host = os.environ.get(HTTP_HOST_ENV, "").strip() or "127.0.0.1"
+    return f"http://{host}:{port}" if port.isdigit() else None
 
 # Parameters of the llm model that belong to the Triton glue, not to EngineConfig.
 GLUE_PARAMETERS = {

@@ -167,16 +167,19 @@ class BodyLimitProxy:
             resp = state.get("resp")
             if resp is None or not resp.prepared:
                 return self._unavailable()
+            if state.get("ended"):
+                return resp  # it already has its error event
             if resp.content_type != "text/event-stream":
                 raise ConnectionResetError(self._fail_message) from None
-            await self._end_stream(resp, self._fail_message, ConnectionResetError(self._fail_message))
+            await self._end_stream(resp, state, self._fail_message, ConnectionResetError(self._fail_message))
             return resp
         finally:
             self._active.discard(task)
 
     @staticmethod
-    async def _end_stream(resp, message: str, cause: BaseException) -> None:
-        """An error event, then the end of the stream; a client already gone gets `cause`."""
+    async def _end_stream(resp, state: dict, message: str, cause: BaseException) -> None:
+        """An error event, then the end of the stream (once); a client already gone gets `cause`."""
+        state["ended"] = True
         try:
             await resp.write(f"data: {json.dumps({'error': message})}\n\n".encode())
             await resp.write_eof()
@@ -216,19 +219,27 @@ class BodyLimitProxy:
                 if up.headers.get("Content-Length") is not None:
                     resp.content_length = int(up.headers["Content-Length"])
                 await resp.prepare(request)
-                async for chunk in up.content.iter_any():
+                while True:
+                    try:
+                        chunk = await up.content.readany()
+                    except ClientError as e:
+                        broken = e  # tritonserver broke the response off (it crashed or was killed)
+                        break
+                    if not chunk:
+                        broken = None
+                        break
                     await resp.write(chunk)
-                await resp.write_eof()
+                if broken is None:
+                    await resp.write_eof()
+                elif resp.content_type == "text/event-stream":
+                    # an error event, as for any other error mid-stream, not a clean end
+                    await self._end_stream(resp, state, f"tritonserver ended the stream before its final "
+                                                        f"response (the server may have crashed): {broken!r}", broken)
+                else:
+                    raise broken  # drop the connection: the client sees its body cut short
                 return resp
         except (ClientError, ConnectionError, asyncio.TimeoutError) as e:
-            resp = state.get("resp")
-            if resp is not None and resp.prepared:
-                if resp.content_type == "text/event-stream" and isinstance(e, ClientError):
-                    # tritonserver broke the stream off (it crashed or was killed): the client
-                    # gets an error event, as for any other error mid-stream, not a bare reset
-                    await self._end_stream(resp, f"tritonserver ended the stream before its final response "
-                                                 f"(the server may have crashed): {e!r}", e)
-                    return resp
+            if "resp" in state and state["resp"].prepared:
                 raise  # the response has started: drop the connection, the client sees it
             return web.Response(status=502, content_type="application/json",
                                 text=json.dumps({"error": f"tritonserver HTTP endpoint unavailable: {e!r}"}))

@@ -209,9 +209,20 @@ def options_from_env(args: argparse.Namespace) -> ServerOptions:
         access_key=key,
         log_verbose=int(os.environ.get("TRITON_LOG_VERBOSE", "0")),
         exit_timeout_s=int(os.environ.get("TRITON_EXIT_TIMEOUT_SECS", "10")),
-        startup_timeout_s=int(os.environ.get("TRITON_STARTUP_TIMEOUT_SECS", "900")),
+        startup_timeout_s=_non_negative_int("TRITON_STARTUP_TIMEOUT_SECS", "900"),
         extra_args=tuple(args.extra),
     )
+
+
+def _non_negative_int(name: str, default: str) -> int:
+    raw = os.environ.get(name, default).strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise SystemExit(f"error: {name} must be a whole number of seconds >= 0 (0: no bound), not {raw!r}")
+    return value
 
 
 CPU_NOTE = ("note: no CUDA driver on this machine; tritonserver (a GPU build) logs \"CudaDriverHelper "
@@ -277,6 +288,7 @@ def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict
     """tritonserver under the supervisor, behind the HTTP front when max_body > 0."""
     from dataclasses import replace
 
+    from .config import reachable_host
     from .supervisor import Supervisor
 
     front = None
@@ -292,24 +304,32 @@ def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict
         # tritonserver's own HTTP endpoint: loopback only, reached through the front
         opts = replace(opts, http_port=private, http_address="127.0.0.1")
     cmd = server_argv(inst, backend_dir, opts)
+    http_host = reachable_host(opts.http_address or opts.address)
     env["TRITON_HTTP_PORT"] = str(opts.http_port)  # the llm model watches readiness there
+    env["TRITON_HTTP_HOST"] = http_host
     sys.stdout.flush()
-    metrics_host = "127.0.0.1" if opts.address in ("0.0.0.0", "::", "") else opts.address
-    sup = Supervisor(cmd, env, exit_timeout_s=opts.exit_timeout_s, startup_timeout_s=opts.startup_timeout_s or None,
+    metrics_host = reachable_host(opts.address)
+    # readiness is watched over HTTP: with HTTP off (an extra argument) the supervisor cannot
+    # see it, so it neither bounds the start-up nor watches for a shutdown or a dead stub
+    http_on = not any(a.replace(" ", "") in ("--allow-http=false", "--allow-http=0") for a in opts.extra_args)
+    sup = Supervisor(cmd, env, exit_timeout_s=opts.exit_timeout_s,
+                     startup_timeout_s=(opts.startup_timeout_s or None) if http_on else None,
                      on_stop=front.stop if front is not None else None,
                      on_stub_death=front.fail_inflight if front is not None else None,
-                     server_state=lambda: _http_state(opts.http_port),
+                     server_state=(lambda: _http_state(http_host, opts.http_port)) if http_on else (lambda: "unknown"),
                      bls_inflight=lambda: _gauge_sum(metrics_host, opts.metrics_port, "bls_inflight_requests"))
+    if not http_on:
+        sup.startup_poll_s = sup.poll_s
     return sup.run()
 
 
-def _http_state(port: int) -> str:
+def _http_state(host: str, port: int) -> str:
     """"ready", "down" (connection reset or refused) or "unknown" (not ready, slow, ...)."""
     import http.client
     import urllib.error
     import urllib.request
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
+        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=2) as r:
             return "ready" if r.status == 200 else "unknown"
     except (ConnectionError, http.client.RemoteDisconnected):
         return "down"

@@ -217,10 +217,12 @@ class Supervisor:
                         self._kill_at = None
         finally:
             self._watch_stubs("exited")
-            crashed = rc is not None and rc != 0 and not self._signalled
+            # killed by a signal we did not send (also when a poll saw the crash as "down"),
+            # or an error status while nothing asked it to stop (a failed start-up, too)
+            crashed = rc is not None and (rc < 0 and not self._signalled or rc > 0 and self._stop_reason is None)
             if crashed:
-                log(f"error: tritonserver {exit_words(rc)} without being asked to stop; "
-                    "its clients' streams ended there")
+                log(f"error: tritonserver {exit_words(rc)} without being asked to stop"
+                    + ("; its clients' streams ended there" if self._was_ready else " (before it was ready)"))
             if self.on_stop is not None:
                 self.on_stop()
             self._cleanup()

@@ -298,15 +298,15 @@ SHUTDOWN_SOON_AFTER_READY = textwrap.dedent("""
               "print('up', flush=True); time.sleep(60)"]
     t0 = time.monotonic()
     def state():
-        # not listening for 0.6 s, ready for 0.3 s, then down: a SIGINT sent to it right after
+        # not listening for 0.55 s, ready for 0.4 s, then down: a SIGINT sent to it right after
         # "ready" (polls every 0.5 s from the start would only ever see it down)
-        return "ready" if 0.6 <= time.monotonic() - t0 < 0.9 else "down"
+        return "ready" if 0.55 <= time.monotonic() - t0 < 0.95 else "down"
     sys.exit(Supervisor(server, {}, exit_timeout_s=1, server_state=state).run())
 """)
 
 
 def test_a_shutdown_right_after_ready_is_still_bounded():
-    """tritonserver told to stop (by someone else) 0.3 s after it got ready, then hanging on
+    """tritonserver told to stop (by someone else) 0.4 s after it got ready, then hanging on
     exit: the supervisor saw it ready (it polls fast until then), so it recognises the
     shutdown and kills the server after the exit timeout."""
     t0 = time.monotonic()
@@ -334,3 +334,31 @@ def test_a_server_never_ready_is_stopped_after_the_startup_timeout():
     assert "[serve] error: tritonserver is not ready 1 s after it started (TRITON_STARTUP_TIMEOUT_SECS)" in err, err
     assert "start-up timeout: stopping tritonserver" in err and "killing its process group" in err, err
     assert r.returncode == 1 and time.monotonic() - t0 < 10, (r.returncode, err)
+
+
+@pytest.mark.parametrize("bind,host", [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"),
+                                       ("10.1.2.3", "10.1.2.3"), ("::1", "[::1]")])
+def test_the_server_is_probed_where_it_listens(monkeypatch, bind, host):
+    """The supervisor's and the llm model's readiness probes go to the address tritonserver
+    binds (a server bound to one address does not answer on 127.0.0.1: the llm model took
+    the refused probes for a shutdown and aborted every request)."""
+    from triton_glue import config
+
+    assert config.reachable_host(bind) == host
+    monkeypatch.setenv("TRITON_HTTP_PORT", "8123")
+    monkeypatch.setenv("TRITON_HTTP_HOST", host)
+    assert config.server_http_url() == f"http://{host}:8123"
+    monkeypatch.delenv("TRITON_HTTP_HOST")
+    assert config.server_http_url() == "http://127.0.0.1:8123"
+
+
+@pytest.mark.parametrize("raw", ["-5", "ten"])
+def test_a_bad_startup_timeout_is_refused_naming_the_variable(monkeypatch, raw):
+    import argparse
+
+    from triton_glue import launch
+
+    monkeypatch.setenv("TRITON_STARTUP_TIMEOUT_SECS", raw)
+    args = argparse.Namespace(model_repository=".", http_port=None, grpc_port=None, metrics_port=None, extra=[])
+    with pytest.raises(SystemExit, match=r"TRITON_STARTUP_TIMEOUT_SECS must be a whole number of seconds >= 0"):
+        launch.options_from_env(args)
