@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 from triton_glue import launch  # noqa: E402
 from . import procs  # noqa: E402
-from triton_glue.supervisor import child_preexec  # noqa: E402
+from triton_glue.supervisor import SHM_DIR, child_preexec, processes_of, stub_info  # noqa: E402
 
 MODEL_DIR = ROOT / "models" / "tiny-llama"
 ACCESS_KEY = "test-access-key"
@@ -65,6 +65,15 @@ class Server:
     metrics_port: int
     log_path: Path
     access_key: str
+    # /dev/shm regions of its stubs (seen when it got ready and when it is stopped): a stub
+    # that died or was killed keeps its region; stop() removes them
+    regions: set = field(default_factory=set)
+
+    def note_regions(self) -> None:
+        for pid in processes_of(self.proc.pid):
+            info = stub_info(pid)
+            if info is not None:
+                self.regions.add(info.shm_region)
 
     @property
     def http_url(self) -> str:
@@ -104,6 +113,7 @@ class Server:
             return ""
 
     def stop(self, timeout: float = 60) -> None:
+        self.note_regions()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -117,6 +127,11 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        deadline = time.monotonic() + 10
+        while processes_of(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for region in self.regions:
+            (SHM_DIR / region).unlink(missing_ok=True)
 
 
 def _ready(http_port: int, model: Optional[str] = None) -> bool:
@@ -159,6 +174,7 @@ def start_server(tmp_dir: Path, *, model_control: str = "none", load_models: tup
         if proc.poll() is not None:
             raise RuntimeError(f"tritonserver exited with {proc.returncode}:\n{srv.log_tail()}")
         if _ready(http, wait_model):
+            srv.note_regions()
             return srv
         time.sleep(0.5)
     srv.stop()

@@ -172,8 +172,9 @@ def grpc_body(route: str, i: int) -> tuple[dict, bool]:
     if route == "vllm_model":
         return {"text_input": text, "stream": True,
                 "sampling_parameters": json.dumps({"max_tokens": LONG, "ignore_eos": True})}, False
-    # end_id replaces EOS (TensorRT-LLM): the streams run to max_tokens unless the model samples id 3
-    return {"text_input": text, "max_tokens": LONG, "end_id": 3, "stream": True}, True
+    # ignore_eos: the streams run to max_tokens (with end_id 3 instead, an ensemble stream that
+    # sampled id 3 around the fault ended with a FINAL of its own, failing the stub-kill test)
+    return {"text_input": text, "max_tokens": LONG, "ignore_eos": True, "stream": True}, True
 
 
 class GrpcStream:
@@ -349,7 +350,7 @@ def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
         running = [s for s in streams if not s.out.done.is_set()]
         t0 = time.monotonic()
         os.kill(llm_stub.pid, signal.SIGKILL)
-        bls = [s for s in streams if s.out.route in ("llm_bls", "vllm_model")]
+        bls = [s for s in running if s.out.route in ("llm_bls", "vllm_model")]
         for s in bls:
             s.out.done.wait(max(0.0, t0 + 10 - time.monotonic()))
         named = all(s.out.end == "error" and "llm" in s.out.message and "died" in s.out.message for s in bls)
@@ -373,7 +374,7 @@ def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
         assert_all_ended(streams, t0, STUB_DEATH_BOUND_S)
         # HTTP clients get the error from the launcher's HTTP front; gRPC clients of the
         # ensemble and llm can only see their stream break when the server exits
-        odd = [(s.out.route, s.out.proto, s.out.end, s.out.message[:100]) for s in streams
+        odd = [(s.out.route, s.out.proto, s.out.end, s.out.message[:100]) for s in running
                if not (s.out.end == "error" and "died" in s.out.message
                        or s.out.proto == "grpc" and s.out.end == "dropped")]
         assert not odd, odd
