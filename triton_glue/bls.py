@@ -258,8 +258,7 @@ class BlsRoute:
     def barrier(self, requests: Any) -> None:
         """First thing in execute (a model with its own execute calls it): releases the upstream
         iterators whose stub-side cleanup has run (upstream.HeldIterators)."""
-        if requests:
-            self.iterators.barrier(requests[0])
+        self.iterators.barrier(requests)
 
     def submit(self, request: Any, parsed: TextRequest, sender: Any = None) -> None:
         """sender: the request's response sender, or a stand-in for it (a batch row's)."""

@@ -314,12 +314,11 @@ def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict
     http_on = not any(a.replace(" ", "") in ("--allow-http=false", "--allow-http=0") for a in opts.extra_args)
     sup = Supervisor(cmd, env, exit_timeout_s=opts.exit_timeout_s,
                      startup_timeout_s=(opts.startup_timeout_s or None) if http_on else None,
+                     startup_poll_s=Supervisor.startup_poll_s if http_on else Supervisor.poll_s,
                      on_stop=front.stop if front is not None else None,
                      on_stub_death=front.fail_inflight if front is not None else None,
                      server_state=(lambda: _http_state(http_host, opts.http_port)) if http_on else (lambda: "unknown"),
                      bls_inflight=lambda: _gauge_sum(metrics_host, opts.metrics_port, "bls_inflight_requests"))
-    if not http_on:
-        sup.startup_poll_s = sup.poll_s
     return sup.run()
 
 

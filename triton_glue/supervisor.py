@@ -197,7 +197,6 @@ class Supervisor:
                                       start_new_session=True)
         started = time.monotonic()
         rc = None
-        crashed = False
         try:
             while rc is None:
                 try:

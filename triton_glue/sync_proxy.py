@@ -75,8 +75,7 @@ class SyncProxy:
 
     def execute(self, requests: Any) -> None:
         pb = self.pb
-        if requests:
-            self.iterators.barrier(requests[0])
+        self.iterators.barrier(requests)
         for request in requests:
             sender = request.get_response_sender()
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}

@@ -123,9 +123,9 @@ class HeldIterators:
     That thread sends the stub's queued messages one at a time, in order: once an
     is_cancelled() queued after an iterator's cleanup has returned, the erase has run, and
     dropping the iterator here frees it with the GIL. hold() the iterators that have ended;
-    barrier() with a request that execute() has just received (no other thread polls it yet,
-    so its is_cancelled() is queued fresh, after every cleanup queued so far) releases the
-    ones held before it. At most the iterators of the requests since the last execute() stay."""
+    barrier() with the batch execute() has just received (no other thread polls its first
+    request yet, so that request's is_cancelled() is queued fresh, after every cleanup queued so
+    far) releases the ones held before it. At most the iterators of the requests since the last execute() stay."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -136,12 +136,14 @@ class HeldIterators:
         with self._lock:
             self._held.append((self._epoch, iterator))
 
-    def barrier(self, request: Any) -> None:
+    def barrier(self, requests: Any) -> None:
+        if not requests:
+            return
         with self._lock:
             self._epoch += 1
             epoch = self._epoch
         try:
-            request.is_cancelled()
+            requests[0].is_cancelled()
         except Exception:  # noqa: BLE001 - no round trip, no proof: keep them
             return
         with self._lock:

@@ -122,7 +122,7 @@ def test_held_iterators_go_at_the_next_barrier_and_not_before():
     refs = _held(held, 3)
     assert all(r() is not None for r in refs) and held.held() == 3
     request = _Request()
-    held.barrier(request)
+    held.barrier([request])
     assert request.asked == 1
     assert all(r() is None for r in refs) and held.held() == 0
 
@@ -132,17 +132,17 @@ def test_an_iterator_held_during_a_barrier_waits_for_the_next_one():
     held = HeldIterators()
     before = _held(held)
     during = []
-    held.barrier(_Request(during=lambda: during.extend(_held(held))))
+    held.barrier([_Request(during=lambda: during.extend(_held(held)))])
     assert before[0]() is None
     assert during[0]() is not None and held.held() == 1
-    held.barrier(_Request())
+    held.barrier([_Request()])
     assert during[0]() is None and held.held() == 0
 
 
 def test_a_failed_barrier_lets_nothing_go():
     held = HeldIterators()
     refs = _held(held, 2)
-    held.barrier(_Request(fails=True))
+    held.barrier([_Request(fails=True)])
     assert all(r() is not None for r in refs) and held.held() == 2
     held.close()
     assert all(r() is None for r in refs) and held.held() == 0

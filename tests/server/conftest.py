@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 from triton_glue import launch  # noqa: E402
 from . import procs  # noqa: E402
-from triton_glue.supervisor import SHM_DIR, child_preexec, processes_of, stub_info  # noqa: E402
+from triton_glue.supervisor import child_preexec  # noqa: E402
 
 MODEL_DIR = ROOT / "models" / "tiny-llama"
 ACCESS_KEY = "test-access-key"
@@ -70,10 +70,7 @@ class Server:
     regions: set = field(default_factory=set)
 
     def note_regions(self) -> None:
-        for pid in processes_of(self.proc.pid):
-            info = stub_info(pid)
-            if info is not None:
-                self.regions.add(info.shm_region)
+        self.regions |= {p.shm_region for p in procs.stubs(self.proc.pid) if p.shm_region}
 
     @property
     def http_url(self) -> str:
@@ -128,10 +125,10 @@ class Server:
         except (ProcessLookupError, PermissionError):
             pass
         deadline = time.monotonic() + 10
-        while processes_of(self.proc.pid) and time.monotonic() < deadline:
+        while procs.group(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         for region in self.regions:
-            (SHM_DIR / region).unlink(missing_ok=True)
+            (procs.SHM_DIR / region).unlink(missing_ok=True)
 
 
 def _ready(http_port: int, model: Optional[str] = None) -> bool:

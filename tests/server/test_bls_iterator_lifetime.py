@@ -59,7 +59,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         if self.held is not None:
-            self.held.barrier(requests[0])
+            self.held.barrier(requests)
         for request in requests:
             count = pb_utils.get_input_tensor_by_name(request, "COUNT").as_numpy()
             n = int(count.reshape(-1)[0])

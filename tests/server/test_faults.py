@@ -359,12 +359,11 @@ def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
                 srv.proc.wait(SIGNAL_BOUND_S)  # the launcher logs a crash once tritonserver is gone
             except subprocess.TimeoutExpired:
                 pass
-        if not named and aborted_in_response_send(srv):
-            # tritonserver 2.51 itself died of the stub's death (see aborted_in_response_send):
-            # nothing could answer the BLS routes' gRPC clients; the crash must be handled as one
-            assert_crash_handled(srv, running, t0, members, regions, signal.SIGABRT)
-            return
-        if not named:
+            if aborted_in_response_send(srv):
+                # tritonserver 2.51 itself died of the stub's death (see aborted_in_response_send):
+                # nothing could answer the BLS routes' gRPC clients; the crash must be handled as one
+                assert_crash_handled(srv, running, t0, members, regions, signal.SIGABRT)
+                return
             print(srv.log_tail(300))  # shown whole under "Captured stdout" (the assertion's repr is cut)
         assert named, [(s.out.route, s.out.proto, s.out.end, round(s.out.t_end - t0, 1) if s.out.t_end else None,
                         s.out.message[:100]) for s in bls]
