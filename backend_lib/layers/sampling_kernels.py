@@ -27,7 +27,7 @@ import torch
 
 from .. import envs
 
-from .triton_support import tl, triton  # None without Triton: the torch path runs there
+from .triton_support import INTERPRET, tl, triton  # None without Triton: the torch path runs there
 
 BLOCK = 1024
 PIVOTS = 16          # thresholds evaluated per search pass (the interval shrinks 15x a pass)
@@ -59,12 +59,54 @@ if triton is not None:
         p = ((position + 0x9E3779B9) & 0xFFFFFFFF).to(tl.uint32)
         return _hash32(_hash32(lo) ^ hi ^ _hash32(p))
 
+    # The passes over the logits are compute-bound at batch 256 (39 M elements a step): the
+    # noise uses the GPU's log2 unit (lg2.approx, absolute error ~2^-22) instead of libdevice's
+    # logf (~10 FMAs an element), and z = x / T divides by one reciprocal per row. The
+    # interpreter has no inline PTX and rounds tl.fma twice: it keeps tl.log and div_rn.
+    GPU_MATH = tl.constexpr(not INTERPRET)
+    LN2 = tl.constexpr(0.6931471805599453)
+
+    @triton.jit
+    def _log2_approx(x):
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _over_t(x, T):
+        """x / T, rounded as IEEE division (torch's): with r = RN(1/T), q = RN(x r) and the exact
+        remainder x - qT, RN(q + (x - qT) r) is RN(x / T) for normal operands (Markstein's
+        theorem); -inf (a masked logit) stays -inf. div_rn spends ~10 instructions and a
+        slow-path branch on every element; here the reciprocal is per row."""
+        if GPU_MATH:
+            r = tl.math.div_rn(1.0, T)
+            q = x * r
+            rem = tl.fma(-q, T, x)
+            z = tl.where(rem == rem, tl.fma(rem, r, q), q)
+        else:
+            z = tl.math.div_rn(x, T)
+        return z
+
     @triton.jit
     def _gumbel(key, idx):
         # key: uint32 scalar, idx: int32 block -> Gumbel noise, bit-equal uniforms to torch's.
         h = _hash32(key * 0x01000193 + idx.to(tl.uint32))
-        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        return -tl.log(-tl.log(u))
+        bits = h >> 9
+        if GPU_MATH:
+            # w = bits + 0.5 without an int-to-float conversion (a quarter-rate instruction):
+            # 2^23 + bits is the float whose mantissa is bits. u and v = 1 - u are exact.
+            w = (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388607.5
+            u = w * (1.0 / 8388608.0)
+            v = (8388608.0 - w) * (1.0 / 8388608.0)
+            # -log(u) near u = 1 decides the largest noise, the winners: lg2.approx's absolute
+            # error would swamp it there, so that end uses the series of -log(1 - v)
+            # (relative error < 2e-7 for v < 1/32). Elsewhere, and for the outer log, the
+            # absolute error moves the noise by < 1e-5.
+            near_one = v * (1.0 + v * (0.5 + v * (0.3333333333 + v * (0.25 + v * 0.2))))
+            e = tl.where(v < 0.03125, near_one, _log2_approx(u) * -LN2)
+            g = _log2_approx(e) * -LN2
+        else:
+            g = -tl.log(-tl.log((bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
+        return g
 
     @triton.jit
     def _search(row_ptr, V, T, M, lo, hi, target, scratch_ptr,
@@ -87,7 +129,7 @@ if triton is not None:
             for start in range(0, V, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-                z = tl.math.div_rn(x, T)
+                z = _over_t(x, T)
                 ge = z[:, None] >= piv[None, :]
                 cnt += tl.sum(ge.to(tl.int32), axis=0)
                 mass += tl.sum(tl.where(ge, tl.exp(z - M)[:, None], 0.0), axis=0)
@@ -120,7 +162,7 @@ if triton is not None:
             for start in range(0, V, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-                z = tl.math.div_rn(x, T)
+                z = _over_t(x, T)
                 inside = (z >= lo) & (z < hi)
                 pos = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
                 tl.store(scratch_ptr + pos, z, mask=inside & (pos < SCRATCH))
@@ -164,7 +206,7 @@ if triton is not None:
                     offs = start + tl.arange(0, BLOCK)
                     inb = offs < V
                     x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
-                    z = tl.math.div_rn(x, T)
+                    z = _over_t(x, T)
                     s = tl.where(inb, z + _gumbel(key, offs), ninf)
                     bs = tl.max(s, axis=0)
                     bi = tl.argmax(s, axis=0) + start
@@ -185,7 +227,7 @@ if triton is not None:
                     mp_on = mp > 0.0
                     if k_on | p_on | mp_on:
                         t_m = tl.where(mp_on, m + tl.log(tl.maximum(mp, 1e-30)), ninf)
-                        z_s = tl.math.div_rn(tl.load(row_ptr + tok).to(tl.float32), T)
+                        z_s = _over_t(tl.load(row_ptr + tok).to(tl.float32), T)
                         kept = z_s >= t_m
                         mass_s = zsum
                         if k_on | p_on:
@@ -196,7 +238,7 @@ if triton is not None:
                             for start in range(0, V, BLOCK):
                                 offs = start + tl.arange(0, BLOCK)
                                 x = tl.load(row_ptr + offs, mask=offs < V, other=ninf).to(tl.float32)
-                                z = tl.math.div_rn(x, T)
+                                z = _over_t(x, T)
                                 e = tl.where(z >= t_m, tl.exp(z - m), 0.0)
                                 gt = (z > z_s) & (z >= t_m)
                                 c_gt += tl.sum(gt.to(tl.int32), axis=0)
@@ -217,7 +259,7 @@ if triton is not None:
                                     for start in range(0, V, BLOCK):
                                         offs = start + tl.arange(0, BLOCK)
                                         x = tl.load(row_ptr + offs, mask=offs < V, other=ninf).to(tl.float32)
-                                        z = tl.math.div_rn(x, T)
+                                        z = _over_t(x, T)
                                         w += tl.sum(tl.where(z >= thr, tl.exp(z - m), 0.0), axis=0)
                                     mass_s = w
                             if p_on:
@@ -230,7 +272,7 @@ if triton is not None:
                                 offs = start + tl.arange(0, BLOCK)
                                 inb = offs < V
                                 x = tl.load(row_ptr + offs, mask=inb, other=ninf).to(tl.float32)
-                                z = tl.math.div_rn(x, T)
+                                z = _over_t(x, T)
                                 s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
                                 bs = tl.max(s, axis=0)
                                 bi = tl.argmax(s, axis=0) + start

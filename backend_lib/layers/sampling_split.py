@@ -44,7 +44,7 @@ TARGET_PROGRAMS = 2048  # chunks x rows per pass: enough to fill every SM at bat
 WORKERS_PER_SM = 4      # programs per SM of the passes that walk the work list
 
 if triton is not None:
-    from .sampling_kernels import _gumbel, _row_key
+    from .sampling_kernels import _gumbel, _over_t, _row_key
 
     # Row stages (state_i[STAGE]).
     DONE = tl.constexpr(0)
@@ -141,7 +141,7 @@ if triton is not None:
                 offs = first + sub + tl.arange(0, BLOCK)
                 inb = offs < V
                 x = _load_x(row_ptr, raw_row, dense, offs, inb, ninf)
-                z = tl.math.div_rn(x, T)
+                z = _over_t(x, T)
                 s = tl.where(inb, z + _gumbel(key, offs), ninf)
                 best_v, best_i = _keep_better(s, offs, best_v, best_i)
                 if stats:
@@ -198,7 +198,7 @@ if triton is not None:
                     t_m = tl.where(mp_on, m + tl.log(tl.maximum(mp, 1e-30)), ninf)
                     x_s = _load_x(logits_ptr + row.to(tl.int64) * stride, raw_ptr + row.to(tl.int64) * raw_stride,
                                   _dense(written_ptr, row, DUAL), tok, tok >= 0, 0.0)
-                    z_s = tl.math.div_rn(x_s, T)
+                    z_s = _over_t(x_s, T)
                     tl.store(state_f + F_MAX * S + row, m)
                     tl.store(state_f + F_ZS * S + row, z_s)
                     tl.store(state_f + F_TM * S + row, t_m)
@@ -231,7 +231,7 @@ if triton is not None:
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
-                z = tl.math.div_rn(x, T)
+                z = _over_t(x, T)
                 e = tl.where(z >= t_m, tl.exp(z - m), 0.0)
                 gt = (z > z_s) & (z >= t_m)
                 c_gt += gt.to(tl.int32)
@@ -316,7 +316,7 @@ if triton is not None:
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
-                z = tl.math.div_rn(x, T)
+                z = _over_t(x, T)
                 ge = z[:, None] >= piv[None, :]
                 cnt += ge.to(tl.int32)
                 mass += tl.where(ge, tl.exp(z - m)[:, None], 0.0)
@@ -402,7 +402,7 @@ if triton is not None:
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
-                z = tl.math.div_rn(x, T)
+                z = _over_t(x, T)
                 inside = (z >= lo) & (z < hi)
                 n = tl.sum(inside.to(tl.int32), axis=0)
                 if n > 0:
@@ -474,7 +474,7 @@ if triton is not None:
                 offs = first + sub + tl.arange(0, BLOCK)
                 inb = offs < V
                 x = _load_x(row_ptr, raw_row, dense, offs, inb, ninf)
-                z = tl.math.div_rn(x, T)
+                z = _over_t(x, T)
                 s = tl.where(inb & (z >= thr), z + _gumbel(key, offs), ninf)
                 best_v, best_i = _keep_better(s, offs, best_v, best_i)
             best, tok = _lane_winner(best_v, best_i)
