@@ -27,7 +27,7 @@ import torch
 
 from .. import envs
 
-from .triton_support import INTERPRET, tl, triton  # None without Triton: the torch path runs there
+from .triton_support import INTERPRET, num_sms, tl, triton  # None without Triton: the torch path runs there
 
 BLOCK = 1024
 PIVOTS = 16          # thresholds evaluated per search pass (the interval shrinks 15x a pass)
@@ -290,45 +290,55 @@ if triton is not None:
             tl.store(out_ptr + row, tok.to(tl.int64))
 
     @triton.jit
-    def _any_id(ids_ptr, n, IDS_BLOCK: tl.constexpr):
-        """Does the list ids_ptr[:n] hold an id (>= 0; -1 is padding)?"""
-        found = tl.zeros((), dtype=tl.int1)
+    def _any_ids(ids_ptr, stride, rows, in_rows, n, IDS_BLOCK: tl.constexpr):
+        """Per row: does its list ids_ptr[row, :n] hold an id (>= 0; -1 is padding)?"""
+        found = tl.zeros(rows.shape, dtype=tl.int1)
         o = tl.arange(0, IDS_BLOCK)
         for start in range(0, n, IDS_BLOCK):
-            ids = tl.load(ids_ptr + start + o, mask=start + o < n, other=-1)
-            found = found | (tl.max(ids, axis=0) >= 0)
+            ids = tl.load(ids_ptr + rows[:, None] * stride + start + o[None, :],
+                          mask=in_rows[:, None] & (start + o < n)[None, :], other=-1)
+            found = found | (tl.max(ids, axis=1) >= 0)
         return found
 
     @triton.jit
-    def _penalty_kernel(in_ptr, in_stride, out_ptr, out_stride, V, slot_ptr, counts_ptr, prompt_ptr,
-                        table_stride, rep_ptr, pres_ptr, freq_ptr,
-                        banned_ptr, banned_stride, NB, stop_ptr, stop_stride, NS, left_ptr, written_ptr,
-                        COPY: tl.constexpr, SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        IDS_BLOCK: tl.constexpr):
+    def _written_rows_kernel(S, slot_ptr, rep_ptr, pres_ptr, freq_ptr,
+                             banned_ptr, banned_stride, NB, stop_ptr, stop_stride, NS, left_ptr,
+                             written_ptr, work_ptr, ROWS: tl.constexpr, IDS_BLOCK: tl.constexpr):
+        """One program: written[row] = 1 for the rows something writes into (penalties, banned
+        ids, stop ids masked for min_tokens), and those rows as a work list (work_ptr[0] rows
+        at work_ptr[1:]): a step where no row needs a copy launches no per-chunk programs."""
+        listed = 0
+        for start in range(0, S, ROWS):
+            rows = start + tl.arange(0, ROWS)
+            in_rows = rows < S
+            slot = tl.load(slot_ptr + rows, mask=in_rows, other=0)
+            penalized = ((tl.load(rep_ptr + slot, mask=in_rows, other=1.0) != 1.0)
+                         | (tl.load(pres_ptr + slot, mask=in_rows, other=0.0) != 0.0)
+                         | (tl.load(freq_ptr + slot, mask=in_rows, other=0.0) != 0.0))
+            masked = (_any_ids(banned_ptr, banned_stride, rows, in_rows, NB, IDS_BLOCK)
+                      | (_any_ids(stop_ptr, stop_stride, rows, in_rows, NS, IDS_BLOCK)
+                         & (tl.load(left_ptr + rows, mask=in_rows, other=0) > 0)))
+            w = (penalized | masked) & in_rows
+            tl.store(written_ptr + rows, w.to(tl.int32), mask=in_rows)
+            at = listed + tl.cumsum(w.to(tl.int32), axis=0) - 1
+            tl.store(work_ptr + 1 + at, rows, mask=w)
+            listed += tl.sum(w.to(tl.int32), axis=0)
+        tl.store(work_ptr, listed)
+
+    @triton.jit
+    def _penalty_chunk(in_ptr, in_stride, out_ptr, out_stride, V, slot_ptr, counts_ptr, prompt_ptr,
+                       table_stride, rep_ptr, pres_ptr, freq_ptr, row, c,
+                       COPY: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """One chunk of one row: out = the row's penalized logits (float32). COPY: out is a
-        separate float32 tensor, so rows without penalties are copied (upcast) too; else in
-        place, and those rows are left alone. SPARSE (with COPY): only the rows something
-        writes into get a copy (penalties, banned ids, stop ids masked for min_tokens);
-        written_ptr[row] says which (the sampler reads the others from the input)."""
-        c = tl.program_id(0)
-        row = tl.program_id(1)
+        separate float32 tensor, so a row without penalties is copied (upcast); else in place,
+        and such a row is left alone."""
         slot = tl.load(slot_ptr + row)
         rp = tl.load(rep_ptr + slot)
         pres = tl.load(pres_ptr + slot)
         freq = tl.load(freq_ptr + slot)
         src = in_ptr + row.to(tl.int64) * in_stride
         dst = out_ptr + row.to(tl.int64) * out_stride
-        penalized = (rp != 1.0) | (pres != 0.0) | (freq != 0.0)
-        copy = COPY
-        if SPARSE:
-            # any id >= 0 in the row's lists (the mask kernel writes every one of them)
-            banned = _any_id(banned_ptr + row * banned_stride, NB, IDS_BLOCK)
-            stops = _any_id(stop_ptr + row * stop_stride, NS, IDS_BLOCK)
-            masked = banned | (stops & (tl.load(left_ptr + row) > 0))
-            copy = masked
-            if c == 0:
-                tl.store(written_ptr + row, (penalized | masked).to(tl.int32))
-        if penalized:
+        if (rp != 1.0) | (pres != 0.0) | (freq != 0.0):
             c_ptr = counts_ptr + slot.to(tl.int64) * table_stride
             p_ptr = prompt_ptr + slot.to(tl.int64) * table_stride
             for sub in range(0, CHUNK, BLOCK):
@@ -340,11 +350,30 @@ if triton is not None:
                 x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, rp), x * rp), x)
                 x = x - freq * cnt.to(tl.float32) - pres * (cnt > 0).to(tl.float32)
                 tl.store(dst + offs, x, mask=inb)
-        elif copy:
+        elif COPY:
             for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 inb = offs < V
                 tl.store(dst + offs, tl.load(src + offs, mask=inb, other=0.0).to(tl.float32), mask=inb)
+
+    @triton.jit
+    def _penalty_kernel(in_ptr, in_stride, out_ptr, out_stride, V, slot_ptr, counts_ptr, prompt_ptr,
+                        table_stride, rep_ptr, pres_ptr, freq_ptr,
+                        COPY: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Every row, a (chunks x rows) grid."""
+        _penalty_chunk(in_ptr, in_stride, out_ptr, out_stride, V, slot_ptr, counts_ptr, prompt_ptr,
+                       table_stride, rep_ptr, pres_ptr, freq_ptr, tl.program_id(1), tl.program_id(0),
+                       COPY, CHUNK, BLOCK)
+
+    @triton.jit
+    def _penalty_listed_kernel(in_ptr, in_stride, out_ptr, out_stride, V, slot_ptr, counts_ptr,
+                               prompt_ptr, table_stride, rep_ptr, pres_ptr, freq_ptr, work_ptr, C,
+                               CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """The work list's rows (copied to out), its (row, chunk) items over a fixed grid."""
+        for item in range(tl.program_id(0), tl.load(work_ptr) * C, tl.num_programs(0)):
+            _penalty_chunk(in_ptr, in_stride, out_ptr, out_stride, V, slot_ptr, counts_ptr, prompt_ptr,
+                           table_stride, rep_ptr, pres_ptr, freq_ptr, tl.load(work_ptr + 1 + item // C),
+                           item % C, True, CHUNK, BLOCK)
 
 
 @functools.lru_cache(maxsize=8)
@@ -379,6 +408,7 @@ def sample_rows_kernel(logits: torch.Tensor, st, use_filters: bool, only_stage=N
 
 
 PENALTY_CHUNK = 4096  # tokens per program of the penalty / upcast pass
+WORKERS_PER_SM = 4    # programs per SM of the pass over the listed rows
 
 
 def apply_penalties_kernel(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
@@ -393,15 +423,19 @@ def apply_penalties_kernel(logits: torch.Tensor, slots: torch.Tensor, counts: to
     written[row] = 1 for them, 0 for the rows left to be read from `logits`."""
     s, v = logits.shape
     dst = logits if out is None else out
-    grid = (triton.cdiv(v, PENALTY_CHUNK), s)
+    c = triton.cdiv(v, PENALTY_CHUNK)
+    tables = (slots, counts, prompt_mask.view(torch.uint8), counts.stride(0), rep, pres, freq)
+    if sparse_for is None:
+        _penalty_kernel[(c, s)](logits, logits.stride(0), dst, dst.stride(0), v, *tables,
+                                COPY=out is not None, CHUNK=PENALTY_CHUNK, BLOCK=1024, num_warps=4)
+        return dst
     st = sparse_for
-    banned = st.banned_ids.contiguous() if st is not None else slots.view(-1, 1)
-    stops = st.min_stop_ids.contiguous() if st is not None else slots.view(-1, 1)
-    _penalty_kernel[grid](logits, logits.stride(0), dst, dst.stride(0), v, slots, counts,
-                          prompt_mask.view(torch.uint8), counts.stride(0), rep, pres, freq,
-                          banned, banned.stride(0), banned.shape[1], stops, stops.stride(0), stops.shape[1],
-                          st.min_tokens_left.contiguous() if st is not None else slots,
-                          written if written is not None else slots,
-                          COPY=out is not None, SPARSE=st is not None, CHUNK=PENALTY_CHUNK, BLOCK=1024,
-                          IDS_BLOCK=64, num_warps=4)
+    banned, stops = st.banned_ids.contiguous(), st.min_stop_ids.contiguous()
+    work = torch.empty(s + 1, dtype=torch.int32, device=logits.device)
+    _written_rows_kernel[(1,)](s, slots, rep, pres, freq, banned, banned.stride(0), banned.shape[1],
+                               stops, stops.stride(0), stops.shape[1], st.min_tokens_left.contiguous(),
+                               written, work, ROWS=128, IDS_BLOCK=16, num_warps=4)
+    workers = min(c * s, WORKERS_PER_SM * num_sms(logits.device))
+    _penalty_listed_kernel[(workers,)](logits, logits.stride(0), dst, dst.stride(0), v, *tables, work, c,
+                                       CHUNK=PENALTY_CHUNK, BLOCK=1024, num_warps=4)
     return dst

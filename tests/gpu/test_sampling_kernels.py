@@ -472,3 +472,41 @@ def test_split_kernels_read_clean_rows_from_raw(case, small_scratch):
     want = sampling_split.sample_rows_split(dense, st, use_filters=True)
     assert torch.equal(got, want), (got != want).nonzero().flatten().tolist()
     assert torch.equal(got, _threshold_reference(dense, st)) or not _ON_CPU
+
+
+@pytest.mark.parametrize("rows,share", [(300, 0.3), (300, 0.0), (5, 1.0)])
+def test_sparse_upcast_lists_exactly_the_rows_written(rows, share):
+    """The sparse upcast's flags and work list over several blocks of rows (the flag kernel
+    walks them 128 at a time): written[row] is 1 exactly for the rows with penalties, banned
+    ids or masked stop ids, those rows come out penalized or upcast, and no other row of the
+    output is touched (with no such row, none at all)."""
+    from backend_lib.layers import sampling_kernels
+    from backend_lib.layers.penalties import apply_penalties_reference
+    seed_from_env("SAMPLING_KERNELS_TEST_SEED")
+    vocab = 1000
+    g = torch.Generator().manual_seed(rows)
+    pick = lambda: (torch.rand(rows, generator=g) < share).to(DEVICE)
+    penalized, banned, stop, left = pick(), pick(), pick(), pick()
+    slots = torch.arange(rows, device=DEVICE)
+    rep = torch.where(penalized, 1.3, 1.0)
+    pres = torch.zeros(rows, device=DEVICE)
+    freq = torch.zeros(rows, device=DEVICE)
+    counts = (torch.rand(rows, vocab, generator=g) < 0.05).to(torch.int32).to(DEVICE)
+    prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=DEVICE)
+    st = _tensors(rows, temperature=1.0, top_k=-1, top_p=0.9, min_p=0.0, seed0=3)
+    st.banned_ids = torch.full((rows, 20), -1, dtype=torch.int64, device=DEVICE)
+    st.banned_ids[:, 17] = torch.where(banned, 7, -1)           # past the first block of ids
+    st.min_stop_ids = torch.full((rows, 2), -1, dtype=torch.int64, device=DEVICE)
+    st.min_stop_ids[:, 1] = torch.where(stop, 2, -1)
+    st.min_tokens_left = torch.where(left, 3, 0).to(DEVICE)
+    native = (torch.randn(rows, vocab, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    out = torch.full((rows, vocab), float("nan"), device=DEVICE)
+    written = torch.full((rows,), -1, dtype=torch.int32, device=DEVICE)
+    sampling_kernels.apply_penalties_kernel(native, slots, counts, prompt, rep, pres, freq, out=out,
+                                            sparse_for=st, written=written)
+    want = penalized | banned | (stop & left)
+    assert written.tolist() == want.int().tolist()
+    assert torch.isnan(out[~want]).all()
+    ref = native.float()
+    apply_penalties_reference(ref, counts, prompt, rep, pres, freq)
+    assert torch.equal(out[want], ref[want])
