@@ -42,6 +42,8 @@ MIN_CHUNK, MAX_CHUNK = 1024, 8192
 PIVOT_CHUNK_DIVISOR, MIN_PIVOT_CHUNK = 4, 1024
 TARGET_PROGRAMS = 2048  # chunks x rows per pass: enough to fill every SM at batch 1
 WORKERS_PER_SM = 4      # programs per SM of the passes that walk the work list
+PIVOT_WARPS = 4
+RESOLVE_WARPS = 8       # one program sorts a row's boundary values
 
 if triton is not None:
     from .sampling_kernels import _gumbel, _over_t, _row_key
@@ -569,13 +571,13 @@ def sample_rows_split(logits: torch.Tensor, st, use_filters: bool, clean_rows=No
     workers = (min(c_p * s, WORKERS_PER_SM * num_sms(dev)),)
     for r in range(ROUNDS):
         _pivots[workers](*src, temp, state_f, state_i, part_f, part_i, c_p, s, work,
-                         CHUNK=chunk_p, BLOCK=PIVOT_BLOCK, PIVOTS=PIVOTS, num_warps=4)
+                         CHUNK=chunk_p, BLOCK=PIVOT_BLOCK, PIVOTS=PIVOTS, num_warps=PIVOT_WARPS)
         _narrow[(s,)](state_f, state_i, part_f, part_i, c_p, FIRST=r == 0, LAST=r == ROUNDS - 1,
                       CMAX=_pow2(c_p), PIVOTS=PIVOTS, SCRATCH=SCRATCH_SPLIT, num_warps=4)
     scratch = torch.empty(s * SCRATCH_SPLIT, dtype=torch.float32, device=dev)
     _gather[workers](*src, temp, state_f, state_i, scratch, c, s, work,
                      CHUNK=chunk, BLOCK=BLOCK, SCRATCH=SCRATCH_SPLIT, num_warps=4)
-    _resolve[(s,)](top_k, top_p, state_f, state_i, scratch, SCRATCH=SCRATCH_SPLIT, num_warps=8)
+    _resolve[(s,)](top_k, top_p, state_f, state_i, scratch, SCRATCH=SCRATCH_SPLIT, num_warps=RESOLVE_WARPS)
     _draw[workers](*src, temp, seed, pos, state_f, state_i, part_f, part_i, c, s, work,
                    CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
     _combine3[(s,)](state_i, part_f, part_i, c, out, CMAX=cmax, num_warps=1)
