@@ -43,7 +43,10 @@ PIVOT_CHUNK_DIVISOR, MIN_PIVOT_CHUNK = 4, 1024
 TARGET_PROGRAMS = 2048  # chunks x rows per pass: enough to fill every SM at batch 1
 WORKERS_PER_SM = 4      # programs per SM of the passes that walk the work list
 PIVOT_WARPS = 4
-RESOLVE_WARPS = 8       # one program sorts a row's boundary values
+# The passes after pass1 unroll their chunk's sub-blocks (tl.static_range): the loads are
+# independent, so all of a chunk's are in flight at once. Rolled, each sub-block waited one
+# memory latency, and these passes have too few programs per SM to hide it.
+RESOLVE_WARPS = 16      # one program sorts a row's boundary values
 
 if triton is not None:
     from .sampling_kernels import _gumbel, _over_t, _row_key
@@ -230,7 +233,7 @@ if triton is not None:
             c_gt = tl.zeros((BLOCK,), dtype=tl.int32)   # per lane, reduced once at the end
             w_gt = tl.zeros((BLOCK,), dtype=tl.float32)
             w_all = tl.zeros((BLOCK,), dtype=tl.float32)
-            for sub in range(0, CHUNK, BLOCK):
+            for sub in tl.static_range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
                 z = _over_t(x, T)
@@ -315,7 +318,7 @@ if triton is not None:
             piv = _pivot_values(state_f, row, S, PIVOTS)
             cnt = tl.zeros([BLOCK, PIVOTS], dtype=tl.int32)   # per lane, reduced once at the end
             mass = tl.zeros([BLOCK, PIVOTS], dtype=tl.float32)
-            for sub in range(0, CHUNK, BLOCK):
+            for sub in tl.static_range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
                 z = _over_t(x, T)
@@ -401,7 +404,7 @@ if triton is not None:
             hi = tl.where(tl.load(state_i + I_BY_COUNT * S + row) != 0, float("inf"),
                           tl.load(state_f + F_HI * S + row))
             out = scratch_ptr + row.to(tl.int64) * SCRATCH
-            for sub in range(0, CHUNK, BLOCK):
+            for sub in tl.static_range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
                 z = _over_t(x, T)
@@ -472,7 +475,7 @@ if triton is not None:
             best_v = tl.full((BLOCK,), ninf, tl.float32)
             best_i = tl.zeros((BLOCK,), dtype=tl.int32)
             first = c * CHUNK
-            for sub in range(0, CHUNK, BLOCK):
+            for sub in tl.static_range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
                 inb = offs < V
                 x = _load_x(row_ptr, raw_row, dense, offs, inb, ninf)
