@@ -440,6 +440,9 @@ def parse_args(argv=None):
                          "default hf,sync,async on CPU (CB sizes its cache slowly there), hf,cb,sync,async on CUDA")
     ap.add_argument("--sampling", default="greedy",
                     help=f"comma list of {', '.join(SAMPLING_MODES)}: our engine's rows for each (HF stays greedy)")
+    ap.add_argument("--sampler-settings", default="",
+                    help="KEY=VALUE,... over backend_lib/layers/sampling_split's launch settings "
+                         "(see bench/sampler_kernels.py), for the whole run")
     ap.add_argument("--sampler", default="",
                     help="comma list of sampling-kernel implementations (CUDA), one engine each: "
                          "split (each row across many programs, the default) and rows (one program per row)")
@@ -478,6 +481,11 @@ def parse_args(argv=None):
         ap.error(f"--preset: unknown {sorted(bad)} (choose from {PRESETS})")
     args.batch_list = [int(x) for x in (args.batches or ("1,8,64,256" if cuda else "1,8,64")).split(",") if x.strip()]
     args.sampling_list = [x.strip() for x in args.sampling.split(",") if x.strip()]
+    if args.sampler_settings:
+        from backend_lib.layers import sampling_split
+        from bench.sampler_kernels import settings
+        for k, v in settings(args.sampler_settings).items():
+            setattr(sampling_split, k, v)
     args.sampler_list = [x.strip() for x in args.sampler.split(",") if x.strip()] or [None]
     if set(args.sampler_list) - {None, "split", "rows"}:
         ap.error(f"--sampler: choose from split, rows (got {args.sampler})")

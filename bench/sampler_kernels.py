@@ -44,13 +44,18 @@ def _searching_rows(logits, st) -> int:
     return int((~kept.gather(1, win.unsqueeze(1))).sum())
 
 
-def _parse(spec: str):
-    name, _, rest = spec.partition(":")
+def settings(spec: str) -> dict:
+    """KEY=VALUE[,KEY=VALUE...] over sampling_split's module settings, typed as they are."""
     sets = {}
-    for kv in filter(None, rest.split(",")):
+    for kv in filter(None, spec.split(",")):
         k, v = kv.split("=")
         sets[k] = type(getattr(sampling_split, k))(v)
-    return name, sets
+    return sets
+
+
+def _parse(spec: str):
+    name, _, rest = spec.partition(":")
+    return name, settings(rest)
 
 
 def _time(logits, st, reps: int) -> float:
@@ -82,12 +87,17 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--variant", action="append", default=[])
+    ap.add_argument("--best-out", default="",
+                    help="write the settings of the fastest variant (summed over scales, largest rows) here")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
-    variants = [_parse(v) for v in (a.variant or ["base"])]
+    specs = a.variant or ["base"]
+    variants = [_parse(v) for v in specs]
+    total = [0.0] * len(variants)
+    row_list = [int(r) for r in a.rows.split(",")]
     print("| rows | logit scale | rows searching | variant | µs per call |")
     print("|---|---|---|---|---|")
-    for rows in [int(r) for r in a.rows.split(",")]:
+    for rows in row_list:
         for scale in [float(x) for x in a.scales.split(",")]:
             gen = torch.Generator(device=dev).manual_seed(0)
             logits = torch.randn(rows, a.vocab, device=dev, generator=gen) * scale
@@ -95,7 +105,7 @@ def main(argv=None) -> int:
             logits = logits.to(torch.bfloat16)
             st = _tensors(rows, a.temperature, a.top_p, a.top_k, dev)
             searching = _searching_rows(logits, st)
-            for name, sets in variants:
+            for i, (name, sets) in enumerate(variants):
                 saved = {k: getattr(sampling_split, k) for k in sets}
                 for k, v in sets.items():
                     setattr(sampling_split, k, v)
@@ -105,6 +115,12 @@ def main(argv=None) -> int:
                     for k, v in saved.items():
                         setattr(sampling_split, k, v)
                 print(f"| {rows} | {scale:g} | {searching} | {name} | {us:.1f} |", flush=True)
+                if rows == max(row_list):
+                    total[i] += us
+    best = min(range(len(variants)), key=total.__getitem__)
+    print(f"fastest at {max(row_list)} rows: {variants[best][0]} ({total[best]:.1f} us over the scales)")
+    if a.best_out:
+        Path(a.best_out).write_text(specs[best].partition(":")[2])
     return 0
 
 

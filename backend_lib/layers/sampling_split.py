@@ -43,9 +43,7 @@ PIVOT_CHUNK_DIVISOR, MIN_PIVOT_CHUNK = 4, 1024
 TARGET_PROGRAMS = 2048  # chunks x rows per pass: enough to fill every SM at batch 1
 WORKERS_PER_SM = 4      # programs per SM of the passes that walk the work list
 PIVOT_WARPS = 4
-# The passes after pass1 unroll their chunk's sub-blocks (tl.static_range): the loads are
-# independent, so all of a chunk's are in flight at once. Rolled, each sub-block waited one
-# memory latency, and these passes have too few programs per SM to hide it.
+PASS_WARPS = 4          # pass1 and check, the passes over every row
 RESOLVE_WARPS = 16      # one program sorts a row's boundary values
 
 if triton is not None:
@@ -233,7 +231,7 @@ if triton is not None:
             c_gt = tl.zeros((BLOCK,), dtype=tl.int32)   # per lane, reduced once at the end
             w_gt = tl.zeros((BLOCK,), dtype=tl.float32)
             w_all = tl.zeros((BLOCK,), dtype=tl.float32)
-            for sub in tl.static_range(0, CHUNK, BLOCK):
+            for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
                 z = _over_t(x, T)
@@ -318,7 +316,7 @@ if triton is not None:
             piv = _pivot_values(state_f, row, S, PIVOTS)
             cnt = tl.zeros([BLOCK, PIVOTS], dtype=tl.int32)   # per lane, reduced once at the end
             mass = tl.zeros([BLOCK, PIVOTS], dtype=tl.float32)
-            for sub in tl.static_range(0, CHUNK, BLOCK):
+            for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
                 z = _over_t(x, T)
@@ -404,7 +402,7 @@ if triton is not None:
             hi = tl.where(tl.load(state_i + I_BY_COUNT * S + row) != 0, float("inf"),
                           tl.load(state_f + F_HI * S + row))
             out = scratch_ptr + row.to(tl.int64) * SCRATCH
-            for sub in tl.static_range(0, CHUNK, BLOCK):
+            for sub in range(0, CHUNK, BLOCK):
                 offs = c * CHUNK + sub + tl.arange(0, BLOCK)
                 x = _load_x(row_ptr, raw_row, dense, offs, offs < V, float("-inf"))
                 z = _over_t(x, T)
@@ -475,7 +473,7 @@ if triton is not None:
             best_v = tl.full((BLOCK,), ninf, tl.float32)
             best_i = tl.zeros((BLOCK,), dtype=tl.int32)
             first = c * CHUNK
-            for sub in tl.static_range(0, CHUNK, BLOCK):
+            for sub in range(0, CHUNK, BLOCK):
                 offs = first + sub + tl.arange(0, BLOCK)
                 inb = offs < V
                 x = _load_x(row_ptr, raw_row, dense, offs, inb, ninf)
@@ -559,7 +557,7 @@ def sample_rows_split(logits: torch.Tensor, st, use_filters: bool, clean_rows=No
     src = (logits, logits.stride(0), raw, raw.stride(0), written, clean_rows is not None, v)
     grid = (c, s)
     _pass1[grid](*src, temp, seed, pos, top_k, top_p, min_p, part_f, part_i, c,
-                 USE_FILTERS=use_filters, CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
+                 USE_FILTERS=use_filters, CHUNK=chunk, BLOCK=BLOCK, num_warps=PASS_WARPS)
     state_f = torch.empty(9 * s if use_filters else 1, dtype=torch.float32, device=dev)
     state_i = torch.empty(5 * s if use_filters else 1, dtype=torch.int32, device=dev)
     work = torch.empty(s + 1 if use_filters else 1, dtype=torch.int32, device=dev)
@@ -567,7 +565,7 @@ def sample_rows_split(logits: torch.Tensor, st, use_filters: bool, clean_rows=No
                     USE_FILTERS=use_filters, CMAX=cmax, num_warps=1)
     if not use_filters:
         return out
-    _check[grid](*src, temp, state_f, state_i, part_f, part_i, c, CHUNK=chunk, BLOCK=BLOCK, num_warps=4)
+    _check[grid](*src, temp, state_f, state_i, part_f, part_i, c, CHUNK=chunk, BLOCK=BLOCK, num_warps=PASS_WARPS)
     _combine2[(s,)](v, top_k, top_p, min_p, state_f, state_i, part_f, part_i, c, work, CMAX=cmax, num_warps=1)
     # The later passes concern the few rows on the work list: a grid of (chunks x rows)
     # programs would spend its time launching programs that exit at once.
