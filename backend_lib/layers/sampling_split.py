@@ -44,7 +44,7 @@ TARGET_PROGRAMS = 2048  # chunks x rows per pass: enough to fill every SM at bat
 WORKERS_PER_SM = 4      # programs per SM of the passes that walk the work list
 PIVOT_WARPS = 4
 PASS_WARPS = 4          # pass1 and check, the passes over every row
-RESOLVE_WARPS = 16      # one program sorts a row's boundary values
+RESOLVE_WARPS = 32      # one program sorts a row's boundary values (bench.sampler_kernels: 32 > 16 > 8)
 
 if triton is not None:
     from .sampling_kernels import _gumbel, _over_t, _row_key
