@@ -344,7 +344,8 @@ def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
     """Several steps' outputs as one output per request (first-seen order; tokens concatenated;
     state from its latest output; nothing after a request's final output). A sequence's first
     output (its first tokens) is never merged with later ones: it goes out alone, first, so a
-    backlog never delays the first token (time to first token stays the engine's)."""
+    backlog never delays the first token (time to first token stays the engine's). Then the
+    requests that end, then the rest."""
     if len(steps) == 1:
         return steps[0]
     # Keyed by (request id, sequence index): n > 1 sequences share the request id.
@@ -370,6 +371,10 @@ def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
                 done.add(out.request_id)
     merged = [dataclasses.replace(o, new_token_ids=tokens[k], new_logprobs=logprobs.get(k, o.new_logprobs))
               for k, o in latest.items()]
-    # A request's final output goes after its other sequences' (delivery ends the stream).
-    merged.sort(key=lambda o: o.finished)
-    return firsts + merged
+    # The requests that end here go next, before the others' later tokens: a final output is
+    # what a closed-loop client waits for to send its next request, and a backlog of other
+    # streams' tokens would hold it back by a whole delivery pass. A request's final output
+    # goes after its other sequences' (delivery ends the stream).
+    ending = [o for o in merged if o.request_id in done]
+    ending.sort(key=lambda o: o.finished)
+    return firsts + ending + [o for o in merged if o.request_id not in done]

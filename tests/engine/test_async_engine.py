@@ -314,7 +314,9 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference):
 
 def test_merge_steps_never_holds_a_first_token_back():
     """A backlog of steps merges into one output per sequence, except each sequence's first
-    output, which goes out alone and first (its time to first token is the engine's)."""
+    output, which goes out alone and first (its time to first token is the engine's); the
+    requests that end come next (a closed-loop client waits for them), each final after its
+    request's other sequences, and the others' merged tokens last."""
     from backend_lib.async_engine import merge_steps
     from backend_lib.request import FinishReason, RequestOutput
 
@@ -322,13 +324,15 @@ def test_merge_steps_never_holds_a_first_token_back():
         return RequestOutput(rid, toks, finished, FinishReason.LENGTH if finished else None,
                              num_prompt_tokens=3, num_output_tokens=total, index=index)
 
-    steps = [[out("a", [1], 1), out("b", [7], 5)],
-             [out("a", [2], 2), out("b", [8], 6), out("c", [4], 1, index=1)],
-             [out("a", [3], 3, finished=True), out("c", [5], 2, index=1)]]
+    steps = [[out("a", [1], 1), out("b", [7], 5), out("f", [6], 9, index=1), out("f", [2], 9, index=0)],
+             [out("a", [2], 2), out("b", [8], 6), out("c", [4], 1, index=1), out("f", [3], 10, index=0)],
+             [out("a", [3], 3, finished=True), out("c", [5], 2, index=1),
+              out("f", [4], 11, finished=True, index=0)]]
     got = [(o.request_id, o.index, o.new_token_ids, o.finished) for o in merge_steps(steps)]
     assert got == [("a", 0, [1], False), ("c", 1, [4], False),      # first outputs, alone
-                   ("b", 0, [7, 8], False), ("c", 1, [5], False),   # later ones merged
-                   ("a", 0, [2, 3], True)]                          # finals last
+                   ("f", 1, [6], False),                            # requests that end: other
+                   ("f", 0, [2, 3, 4], True), ("a", 0, [2, 3], True),  # sequences, then finals
+                   ("b", 0, [7, 8], False), ("c", 1, [5], False)]   # the others' merged tokens
     # a request whose first output is also its final one is not split
     one = merge_steps([[out("d", [9], 1, finished=True)], [out("e", [1], 1)]])
     assert [(o.request_id, o.new_token_ids) for o in one] == [("e", [1]), ("d", [9])]

@@ -332,7 +332,8 @@ def test_async_engine_streams_n_and_logprobs(path):
 
 def test_merged_queued_outputs_keep_each_index_and_their_logprobs():
     """AsyncEngine's merge of queued step outputs (a lagging sender): per (request, index),
-    tokens and logprobs concatenated, the request's final output last."""
+    tokens and logprobs concatenated; the ending request's final output after its other
+    sequence's, both before the other requests' outputs."""
     import queue
 
     from backend_lib import AsyncEngine, RequestOutput
@@ -348,5 +349,5 @@ def test_merged_queued_outputs_keep_each_index_and_their_logprobs():
     merged, stop = aeng._merged_with_queued(first)
     assert stop is None
     got = [(o.request_id, o.index, o.new_token_ids, o.new_logprobs, o.finished) for o in merged]
-    assert got == [("r", 1, [7, 8], [lp(7), lp(8)], False), ("q", 0, [5], None, False),
-                   ("r", 0, [1, 2], [lp(1), lp(2)], True)]
+    assert got == [("r", 1, [7, 8], [lp(7), lp(8)], False), ("r", 0, [1, 2], [lp(1), lp(2)], True),
+                   ("q", 0, [5], None, False)]
