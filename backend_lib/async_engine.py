@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from . import envs
 from .config import EngineConfig
+from .delivery import DeliveryQueue
 from .engine import EngineStats, LLMEngine
 from .fault_hook import fail_after_steps
 from .request import FinishReason, RequestOutput, SamplingParams
@@ -130,11 +131,11 @@ class EngineStalled(RuntimeError):
 class AsyncEngine(OutputSinks):
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False,
                  fault_after_steps: int = 0):
-        """merge_queued_outputs: when the callbacks fall behind the engine loop, each dispatch
-        pass takes every step queued so far and delivers ONE output per request (its tokens
-        from all those steps, in order): a slow sink (Triton's response sender) then pays its
-        per-output cost once per pass instead of once per step, and every request still gets
-        its tokens at each pass (nothing waits for the engine to slow down).
+        """merge_queued_outputs: when the callbacks fall behind the engine loop, what waits is
+        merged per sequence (delivery.DeliveryQueue: one output carries every token the
+        sequence made meanwhile) and delivered most urgent first: a slow sink (Triton's
+        response sender) pays its per-output cost once per turn instead of once per step,
+        first tokens and finals overtake the backlog, and streams take turns.
         fault_after_steps: test hook, > 0 makes the engine loop fail after that many steps."""
         self.config = config
         self._fault_after_steps = fault_after_steps
@@ -291,24 +292,36 @@ class AsyncEngine(OutputSinks):
 
     # ---- dispatcher thread ------------------------------------------------------------------
     def _dispatch_main(self) -> None:
-        held = None  # a control item met while merging: handled after the steps before it
+        # merge_queued_outputs: outputs wait in a DeliveryQueue (merged per sequence, most
+        # urgent first) and go out one at a time, new steps joining between two callbacks.
+        waiting = DeliveryQueue()
         while True:
-            if held is None:
+            if waiting:
                 try:
-                    held = self._outs.get(timeout=STALL_POLL_S)
+                    item = self._outs.get_nowait()
+                except queue.Empty:
+                    self._deliver(waiting.pop())
+                    continue
+            else:
+                try:
+                    item = self._outs.get(timeout=STALL_POLL_S)
                 except queue.Empty:
                     self._check_stall()
                     continue
-            item, held = held, None
+            if isinstance(item, list):
+                if self._merge_queued:
+                    for out in item:
+                        waiting.add(out)
+                else:
+                    for out in item:
+                        self._deliver(out)
+                continue
+            for out in waiting.drain():  # a control item: the outputs before it go first
+                self._deliver(out)
             if item is _STOP:
                 return
             if isinstance(item, _FailAll):
                 self._fail_all(item.reason, item.error)
-                continue
-            if self._merge_queued:
-                item, held = self._merged_with_queued(item)
-            for out in item:
-                self._deliver(out)
 
     def _check_stall(self) -> None:
         """A step running for longer than the stall timeout (a hung kernel, a deadlock) fails
@@ -323,58 +336,3 @@ class AsyncEngine(OutputSinks):
                                        f"({envs.ENGINE_STALL_TIMEOUT_ENV}={self._stall_s:g})")
             logger.error("engine stalled: %s; failing every request", self.error)
             self._fail_all(FinishReason.ERROR, f"engine failed: {self.error!r}")
-
-    def _merged_with_queued(self, outs: list[RequestOutput]) -> tuple[list[RequestOutput], object]:
-        """outs and every step list queued behind it, one output per request (merge_steps).
-        Also returns the control item (_STOP / _FailAll) that ended the drain, or None."""
-        steps, stop_at = [outs], None
-        while True:
-            try:
-                nxt = self._outs.get_nowait()
-            except queue.Empty:
-                break
-            if not isinstance(nxt, list):
-                stop_at = nxt
-                break
-            steps.append(nxt)
-        return merge_steps(steps), stop_at
-
-
-def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
-    """Several steps' outputs as one output per request (first-seen order; tokens concatenated;
-    state from its latest output; nothing after a request's final output). A sequence's first
-    output (its first tokens) is never merged with later ones: it goes out alone, first, so a
-    backlog never delays the first token (time to first token stays the engine's). Then the
-    requests that end, then the rest."""
-    if len(steps) == 1:
-        return steps[0]
-    # Keyed by (request id, sequence index): n > 1 sequences share the request id.
-    latest: dict[tuple[str, int], RequestOutput] = {}
-    tokens: dict[tuple[str, int], list[int]] = {}
-    logprobs: dict[tuple[str, int], list] = {}
-    done: set[str] = set()
-    firsts: list[RequestOutput] = []
-    for step in steps:
-        for out in step:
-            if out.request_id in done:
-                continue  # nothing after a request's final output
-            key = (out.request_id, out.index)
-            if (key not in latest and not out.finished and out.new_token_ids
-                    and out.num_output_tokens == len(out.new_token_ids)):
-                firsts.append(out)
-                continue
-            latest[key] = out
-            tokens.setdefault(key, []).extend(out.new_token_ids)
-            if out.new_logprobs is not None:
-                logprobs.setdefault(key, []).extend(out.new_logprobs)
-            if out.finished:
-                done.add(out.request_id)
-    merged = [dataclasses.replace(o, new_token_ids=tokens[k], new_logprobs=logprobs.get(k, o.new_logprobs))
-              for k, o in latest.items()]
-    # The requests that end here go next, before the others' later tokens: a final output is
-    # what a closed-loop client waits for to send its next request, and a backlog of other
-    # streams' tokens would hold it back by a whole delivery pass. A request's final output
-    # goes after its other sequences' (delivery ends the stream).
-    ending = [o for o in merged if o.request_id in done]
-    ending.sort(key=lambda o: o.finished)
-    return firsts + ending + [o for o in merged if o.request_id not in done]

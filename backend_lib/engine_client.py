@@ -36,8 +36,9 @@ from typing import Optional, Sequence
 
 from . import engine_wire as wire
 from . import envs
-from .async_engine import STALL_POLL_S, Callback, OutputSinks, RequestStream, merge_steps
+from .async_engine import STALL_POLL_S, Callback, OutputSinks, RequestStream
 from .config import EngineConfig
+from .delivery import DeliveryQueue
 from .engine import EngineStats
 from .interpreter import python_executable
 from .request import FinishReason, RequestOutput, SamplingParams, validate_request
@@ -50,8 +51,7 @@ STATS_TIMEOUT_S = 2.0   # a stats() call waits this long for the core's reply, t
 # long on a full socket means the core is wedged (stopped, or stuck holding its GIL). It is
 # then killed and every request fails, rather than Triton's execute thread blocking for ever.
 SEND_TIMEOUT_S = 30.0
-# Messages the reader takes at once before delivering: enough to merge a backlog, bounded so
-# that the first tokens of a long backlog are not held back.
+# Messages the reader takes off the socket at once before it delivers again.
 MAX_MESSAGES_PER_PASS = 64
 
 
@@ -272,45 +272,69 @@ class EngineProcessClient(OutputSinks):
             self._reader_main()
 
     def _reader_main(self) -> None:
-        conn = self._conn
+        # merge_queued_outputs: outputs wait merged, most urgent first (delivery.DeliveryQueue),
+        # and go out one at a time, the socket read again between two callbacks.
+        waiting = DeliveryQueue()
         heard = time.monotonic()  # the core's last message, or the last moment with nothing in flight
-        while True:
-            try:
-                if not conn.poll(STALL_POLL_S):
-                    now = time.monotonic()
-                    if not self.num_inflight():
-                        heard = now
-                    elif now - heard > self._stall_s:
-                        self._core_wedged(f"no output for {now - heard:.0f} s with requests in flight "
-                                          f"({envs.ENGINE_STALL_TIMEOUT_ENV}={self._stall_s:g})")
-                        heard = float("inf")  # once; its EOF follows
+        try:
+            while True:
+                try:
+                    ready = self._conn.poll(0 if waiting else STALL_POLL_S)
+                except (EOFError, OSError):
+                    break
+                if not ready:
+                    if waiting:
+                        self._deliver(waiting.pop())
+                    else:
+                        heard = self._check_wedged(heard)
                     continue
                 heard = time.monotonic()
-                msgs = [conn.recv()]
-                while len(msgs) < MAX_MESSAGES_PER_PASS and conn.poll(0):
-                    msgs.append(conn.recv())
-            except (EOFError, OSError):
-                break
-            steps: list = []
-            for msg in msgs:
-                if msg[0] == wire.STEPS:
-                    steps.extend(msg[1])
-                    continue
-                if steps:
-                    self._deliver_steps(steps)
-                    steps = []
-                self._control(msg)
-            if steps:
-                self._deliver_steps(steps)
+                msgs, ended = self._read_available()
+                self._take(msgs, waiting)
+                if ended:
+                    break
+        finally:
+            for out in waiting.drain():  # what the core sent before it went away
+                self._deliver(out)
         self._core_gone()
 
-    def _deliver_steps(self, steps: list) -> None:
-        decoded = [[wire.decode_output(t) for t in step] for step in steps]
-        if self._merge_queued:
-            decoded = [merge_steps(decoded)]
-        for step in decoded:
-            for out in step:
-                self._deliver(out)
+    def _read_available(self) -> tuple[list, bool]:
+        """The messages readable now (at most MAX_MESSAGES_PER_PASS), and whether the socket
+        ended after them (the messages read before the end still count)."""
+        msgs: list = []
+        try:
+            while len(msgs) < MAX_MESSAGES_PER_PASS and (not msgs or self._conn.poll(0)):
+                msgs.append(self._conn.recv())
+        except (EOFError, OSError):
+            return msgs, True
+        return msgs, False
+
+    def _take(self, msgs: list, waiting: DeliveryQueue) -> None:
+        for msg in msgs:
+            if msg[0] != wire.STEPS:
+                for out in waiting.drain():  # the outputs before a control message first
+                    self._deliver(out)
+                self._control(msg)
+                continue
+            for step in msg[1]:
+                for t in step:
+                    out = wire.decode_output(t)
+                    if self._merge_queued:
+                        waiting.add(out)
+                    else:
+                        self._deliver(out)
+
+    def _check_wedged(self, heard: float) -> float:
+        """Nothing from the core: kill it once it has been silent for the stall timeout with
+        requests in flight. Returns the new `heard`."""
+        now = time.monotonic()
+        if not self.num_inflight():
+            return now
+        if now - heard > self._stall_s:
+            self._core_wedged(f"no output for {now - heard:.0f} s with requests in flight "
+                              f"({envs.ENGINE_STALL_TIMEOUT_ENV}={self._stall_s:g})")
+            return float("inf")  # once; its EOF follows
+        return heard
 
     def _control(self, msg: tuple) -> None:
         kind = msg[0]

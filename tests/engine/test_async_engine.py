@@ -312,30 +312,54 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference):
     assert long_ones >= 3
 
 
-def test_merge_steps_never_holds_a_first_token_back():
+def _out(rid, toks, total, finished=False, index=0):
+    from backend_lib.request import FinishReason, RequestOutput
+    return RequestOutput(rid, toks, finished, FinishReason.LENGTH if finished else None,
+                         num_prompt_tokens=3, num_output_tokens=total, index=index)
+
+
+def _queued(*steps):
+    from backend_lib.delivery import DeliveryQueue
+    q = DeliveryQueue()
+    for step in steps:
+        for o in step:
+            q.add(o)
+    return q
+
+
+def test_delivery_queue_merges_a_backlog_most_urgent_first():
     """A backlog of steps merges into one output per sequence, except each sequence's first
     output, which goes out alone and first (its time to first token is the engine's); the
-    requests that end come next (a closed-loop client waits for them), each final after its
-    request's other sequences, and the others' merged tokens last."""
-    from backend_lib.async_engine import merge_steps
-    from backend_lib.request import FinishReason, RequestOutput
-
-    def out(rid, toks, total, finished=False, index=0):
-        return RequestOutput(rid, toks, finished, FinishReason.LENGTH if finished else None,
-                             num_prompt_tokens=3, num_output_tokens=total, index=index)
-
-    steps = [[out("a", [1], 1), out("b", [7], 5), out("f", [6], 9, index=1), out("f", [2], 9, index=0)],
-             [out("a", [2], 2), out("b", [8], 6), out("c", [4], 1, index=1), out("f", [3], 10, index=0)],
-             [out("a", [3], 3, finished=True), out("c", [5], 2, index=1),
-              out("f", [4], 11, finished=True, index=0)]]
-    got = [(o.request_id, o.index, o.new_token_ids, o.finished) for o in merge_steps(steps)]
-    assert got == [("a", 0, [1], False), ("c", 1, [4], False),      # first outputs, alone
-                   ("f", 1, [6], False),                            # requests that end: other
-                   ("f", 0, [2, 3, 4], True), ("a", 0, [2, 3], True),  # sequences, then finals
-                   ("b", 0, [7, 8], False), ("c", 1, [5], False)]   # the others' merged tokens
+    requests that ended come next, in the order they ended, each final after its request's
+    other sequences; then the others' merged tokens, the longest waiting first."""
+    q = _queued([_out("a", [1], 1), _out("b", [7], 5), _out("f", [6], 9, index=1), _out("f", [2], 9, index=0)],
+                [_out("a", [2], 2), _out("b", [8], 6), _out("c", [4], 1, index=1), _out("f", [3], 10, index=0)],
+                [_out("a", [3], 3, finished=True), _out("c", [5], 2, index=1),
+                 _out("f", [4], 11, finished=True, index=0)])
+    got = [(o.request_id, o.index, o.new_token_ids, o.finished) for o in q.drain()]
+    assert got == [("a", 0, [1], False), ("c", 1, [4], False),       # first outputs, alone
+                   ("a", 0, [2, 3], True),                           # ended requests, in order:
+                   ("f", 1, [6], False), ("f", 0, [2, 3, 4], True),  # other sequences, then final
+                   ("b", 0, [7, 8], False), ("c", 1, [5], False)]    # the others' merged tokens
+    assert not q
     # a request whose first output is also its final one is not split
-    one = merge_steps([[out("d", [9], 1, finished=True)], [out("e", [1], 1)]])
+    one = _queued([_out("d", [9], 1, finished=True)], [_out("e", [1], 1)]).drain()
     assert [(o.request_id, o.new_token_ids) for o in one] == [("e", [1]), ("d", [9])]
+
+
+def test_delivery_queue_lets_urgent_outputs_overtake_and_streams_take_turns():
+    """Outputs added while a backlog is being handed out: a first token or a final goes out
+    next, ahead of the backlog queued before it; a sequence handed out waits behind the
+    others for its next turn; a request id that ended can start again (ids are reused)."""
+    q = _queued([_out(r, [1], 4) for r in "abc"])
+    assert q.pop().request_id == "a"
+    q.add(_out("new", [5], 1))
+    q.add(_out("b", [2], 5, finished=True))
+    q.add(_out("a", [2], 5))
+    got = [(o.request_id, o.new_token_ids, o.finished) for o in q.drain()]
+    assert got == [("new", [5], False), ("b", [1, 2], True), ("c", [1], False), ("a", [2], False)]
+    q.add(_out("b", [9], 1))
+    assert [(o.request_id, o.new_token_ids) for o in q.drain()] == [("b", [9])]
 
 
 def test_a_stalled_step_fails_the_requests_and_the_engine(path, monkeypatch):

@@ -331,23 +331,19 @@ def test_async_engine_streams_n_and_logprobs(path):
 
 
 def test_merged_queued_outputs_keep_each_index_and_their_logprobs():
-    """AsyncEngine's merge of queued step outputs (a lagging sender): per (request, index),
-    tokens and logprobs concatenated; the ending request's final output after its other
-    sequence's, both before the other requests' outputs."""
-    import queue
-
-    from backend_lib import AsyncEngine, RequestOutput
-    aeng = AsyncEngine.__new__(AsyncEngine)
-    aeng._outs = queue.Queue()
+    """The merge of queued step outputs (a lagging sender): per (request, index), tokens and
+    logprobs concatenated; the ending request's final output after its other sequence's,
+    both before the other requests' outputs."""
+    from backend_lib import RequestOutput
+    from backend_lib.delivery import DeliveryQueue
     lp = lambda t: {t: -0.5}
-    step = lambda *outs: list(outs)
-    first = step(RequestOutput("r", [1], False, index=0, new_logprobs=[lp(1)]),
-                 RequestOutput("r", [7], False, index=1, new_logprobs=[lp(7)]))
-    aeng._outs.put(step(RequestOutput("r", [8], False, "stop", index=1, new_logprobs=[lp(8)]),
-                        RequestOutput("q", [5], False)))
-    aeng._outs.put(step(RequestOutput("r", [2], True, "length", index=0, new_logprobs=[lp(2)])))
-    merged, stop = aeng._merged_with_queued(first)
-    assert stop is None
-    got = [(o.request_id, o.index, o.new_token_ids, o.new_logprobs, o.finished) for o in merged]
+    q = DeliveryQueue()
+    for out in (RequestOutput("r", [1], False, index=0, new_logprobs=[lp(1)]),
+                RequestOutput("r", [7], False, index=1, new_logprobs=[lp(7)]),
+                RequestOutput("r", [8], False, "stop", index=1, new_logprobs=[lp(8)]),
+                RequestOutput("q", [5], False),
+                RequestOutput("r", [2], True, "length", index=0, new_logprobs=[lp(2)])):
+        q.add(out)
+    got = [(o.request_id, o.index, o.new_token_ids, o.new_logprobs, o.finished) for o in q.drain()]
     assert got == [("r", 1, [7, 8], [lp(7), lp(8)], False), ("r", 0, [1, 2], [lp(1), lp(2)], True),
                    ("q", 0, [5], None, False)]
