@@ -46,7 +46,7 @@ def run(engine_cls, cfg, conc: int, total: int, prompt_len: int, output_len: int
     lock = threading.Lock()
     done = threading.Event()
     state = {"sent": 0, "finished": 0, "tokens": 0}
-    first, last, ntok = {}, {}, {}
+    first, last, ntok, added = {}, {}, {}, {}
 
     def submit() -> None:
         with lock:
@@ -55,6 +55,7 @@ def run(engine_cls, cfg, conc: int, total: int, prompt_len: int, output_len: int
                 return
             state["sent"] += 1
         prompt = [4 + (i * 7 + k) % 500 for k in range(prompt_len)]
+        added[f"r{i}"] = time.perf_counter()
         eng.add_request(f"r{i}", prompt, sp, callback=cb)
 
     def cb(out) -> None:
@@ -93,7 +94,9 @@ def run(engine_cls, cfg, conc: int, total: int, prompt_len: int, output_len: int
     finally:
         eng.shutdown()
     tpots = [(last[r] - first[r]) / (ntok[r] - 1) for r in ntok if ntok[r] > 1]
+    ttfts = [first[r] - added[r] for r in first if r in added]
     return {"tok_s": state["tokens"] / wall, "tpot_ms": 1e3 * statistics.median(tpots),
+            "ttft_ms": 1e3 * statistics.median(ttfts),
             "steps_s": steps / wall, "cpu_ms_step": 1e3 * cpu / max(steps, 1),
             "core_cpu_ms_step": None if core is None else 1e3 * core / max(steps, 1)}
 
@@ -123,13 +126,13 @@ def main(argv=None) -> int:
                        num_kv_blocks=max(concs) * (max_len // 16) + 16)
     print(f"model {model} on {a.device}; sender holds the GIL {a.sender_us:g} us per callback; "
           f"prompt {a.prompt_len}, output {a.output_len}, {a.requests_per_stream} requests per stream")
-    print("| engine | C | output tok/s | TPOT p50 ms | steps/s | this process CPU ms/step | core CPU ms/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| engine | C | output tok/s | TTFT p50 ms | TPOT p50 ms | steps/s | this process CPU ms/step | core CPU ms/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in concs:
         for name, cls in (("in-process AsyncEngine", AsyncEngine), ("engine process", EngineProcessClient)):
             r = run(cls, cfg, c, c * a.requests_per_stream, a.prompt_len, a.output_len, a.sender_us)
             core = "-" if r["core_cpu_ms_step"] is None else f"{r['core_cpu_ms_step']:.2f}"
-            print(f"| {name} | {c} | {r['tok_s']:.0f} | {r['tpot_ms']:.2f} | {r['steps_s']:.0f} | "
+            print(f"| {name} | {c} | {r['tok_s']:.0f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['steps_s']:.0f} | "
                   f"{r['cpu_ms_step']:.2f} | {core} |", flush=True)
     return 0
 
