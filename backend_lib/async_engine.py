@@ -122,6 +122,8 @@ class OutputSinks:
 
 # How often the dispatcher, waiting for outputs, checks for a stalled step.
 STALL_POLL_S = 1.0
+# Step lists the dispatcher takes off its queue before it delivers again.
+MAX_ITEMS_PER_PASS = 64
 
 
 class EngineStalled(RuntimeError):
@@ -189,11 +191,6 @@ class AsyncEngine(OutputSinks):
 
     def stats(self) -> EngineStats:
         return self.engine.stats() if self.engine is not None else EngineStats()
-
-    def backlog(self) -> int:
-        """Step outputs queued behind the one being delivered: > 0 means the dispatcher (the
-        callbacks, e.g. Triton's response sender) is falling behind the engine loop."""
-        return self._outs.qsize()
 
     def num_inflight(self) -> int:
         with self._lock:
@@ -293,35 +290,33 @@ class AsyncEngine(OutputSinks):
     # ---- dispatcher thread ------------------------------------------------------------------
     def _dispatch_main(self) -> None:
         # merge_queued_outputs: outputs wait in a DeliveryQueue (merged per sequence, most
-        # urgent first) and go out one at a time, new steps joining between two callbacks.
+        # urgent first) and go out one at a time, the queued steps taken in between.
         waiting = DeliveryQueue()
         while True:
-            if waiting:
-                try:
-                    item = self._outs.get_nowait()
-                except queue.Empty:
-                    self._deliver(waiting.pop())
-                    continue
-            else:
-                try:
-                    item = self._outs.get(timeout=STALL_POLL_S)
-                except queue.Empty:
+            items: list = []
+            try:
+                items.append(self._outs.get_nowait() if waiting else self._outs.get(timeout=STALL_POLL_S))
+                while len(items) < MAX_ITEMS_PER_PASS:
+                    items.append(self._outs.get_nowait())
+            except queue.Empty:
+                if not items and not waiting:
                     self._check_stall()
                     continue
-            if isinstance(item, list):
-                if self._merge_queued:
+            for item in items:
+                if isinstance(item, list):
                     for out in item:
-                        waiting.add(out)
-                else:
-                    for out in item:
-                        self._deliver(out)
-                continue
-            for out in waiting.drain():  # a control item: the outputs before it go first
-                self._deliver(out)
-            if item is _STOP:
-                return
-            if isinstance(item, _FailAll):
+                        if self._merge_queued:
+                            waiting.add(out)
+                        else:
+                            self._deliver(out)
+                    continue
+                for out in waiting.drain():  # a control item: the outputs before it go first
+                    self._deliver(out)
+                if item is _STOP:
+                    return
                 self._fail_all(item.reason, item.error)
+            if waiting:
+                self._deliver(waiting.pop())
 
     def _check_stall(self) -> None:
         """A step running for longer than the stall timeout (a hung kernel, a deadlock) fails

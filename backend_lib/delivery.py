@@ -40,31 +40,33 @@ class DeliveryQueue:
         self._firsts: deque[RequestOutput] = deque()
         # (request id, sequence index) -> what it has waiting; insertion order is the age order
         self._pending: "OrderedDict[tuple[str, int], _Pending]" = OrderedDict()
+        self._keys_of: dict[str, dict[tuple[str, int], None]] = {}  # a request's pending sequences
         self._ended: "OrderedDict[str, None]" = OrderedDict()  # requests whose final output waits
-        self._done: set[str] = set()  # requests whose final output was added
 
     def __len__(self) -> int:
         return len(self._firsts) + len(self._pending)
 
     def add(self, out: RequestOutput) -> None:
         rid = out.request_id
-        if rid in self._done:
+        if rid in self._ended:
             return  # nothing after a request's final output
-        if _is_first(out):
-            self._firsts.append(out)
-            return
         key = (rid, out.index)
         p = self._pending.get(key)
+        if p is None and _is_first(out):
+            self._firsts.append(out)
+            return
         if p is None:
             self._pending[key] = _Pending(out, list(out.new_token_ids),
                                           list(out.new_logprobs) if out.new_logprobs is not None else None)
+            self._keys_of.setdefault(rid, {})[key] = None
         else:
             p.latest = out
             p.tokens.extend(out.new_token_ids)
             if out.new_logprobs is not None:
-                p.logprobs = (p.logprobs or []) + list(out.new_logprobs)
+                if p.logprobs is None:
+                    p.logprobs = []
+                p.logprobs.extend(out.new_logprobs)
         if out.finished:
-            self._done.add(rid)
             self._ended[rid] = None
 
     def pop(self) -> RequestOutput:
@@ -73,14 +75,20 @@ class DeliveryQueue:
             return self._firsts.popleft()
         if self._ended:
             rid = next(iter(self._ended))
-            keys = [k for k in self._pending if k[0] == rid]
-            others = [k for k in keys if not self._pending[k].latest.finished]
-            key = others[0] if others else keys[0]
-            if not others:
+            keys = self._keys_of[rid]
+            key = next((k for k in keys if not self._pending[k].latest.finished), None)
+            if key is None:  # only the final output is left
+                key = next(iter(keys))
                 del self._ended[rid]
-                self._done.discard(rid)
-            return self._pending.pop(key).merged()
-        _, p = self._pending.popitem(last=False)
+            return self._take(key)
+        return self._take(next(iter(self._pending)))
+
+    def _take(self, key: tuple[str, int]) -> RequestOutput:
+        p = self._pending.pop(key)
+        keys = self._keys_of[key[0]]
+        del keys[key]
+        if not keys:
+            del self._keys_of[key[0]]
         return p.merged()
 
     def drain(self) -> list[RequestOutput]:

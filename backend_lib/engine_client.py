@@ -293,6 +293,8 @@ class EngineProcessClient(OutputSinks):
                 self._take(msgs, waiting)
                 if ended:
                     break
+                if waiting:  # one callback per read at least, however fast messages come
+                    self._deliver(waiting.pop())
         finally:
             for out in waiting.drain():  # what the core sent before it went away
                 self._deliver(out)
@@ -311,8 +313,11 @@ class EngineProcessClient(OutputSinks):
 
     def _take(self, msgs: list, waiting: DeliveryQueue) -> None:
         for msg in msgs:
+            if msg[0] == wire.STATS:
+                self._control(msg)  # counters only: the outputs before it need not go first
+                continue
             if msg[0] != wire.STEPS:
-                for out in waiting.drain():  # the outputs before a control message first
+                for out in waiting.drain():  # the outputs before DIED / STOPPED go first
                     self._deliver(out)
                 self._control(msg)
                 continue

@@ -191,9 +191,12 @@ class ModelRunner:
                 stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
                 ints.append([slot, sp.top_k, req.effective_seed, req.num_prompt_tokens, sp.min_tokens]
                             + (list(sp.bad_token_ids) + [-1] * k)[:k] + (stops + [-1] * w)[:w])
-                floats.append([float(getattr(sp, name)) for name in ADMISSION_FLOATS])
+                row = {name: float(getattr(sp, name)) for name in ADMISSION_FLOATS}
+                if sp.greedy:
+                    row["temperature"] = 0.0  # the sampler's greedy rows are those of temperature 0
+                floats.append([row[name] for name in ADMISSION_FLOATS])
                 penalized = _has_penalties(sp)
-                self._slot_greedy[slot] = sp.temperature == 0.0
+                self._slot_greedy[slot] = sp.greedy
                 self._slot_masks[slot] = (bool(sp.bad_token_ids) or sp.min_tokens > 0 or sp.top_k > 0
                                           or sp.top_p < 1.0 or sp.min_p > 0.0 or penalized)
                 self._slot_logprobs[slot] = sp.logprobs is not None

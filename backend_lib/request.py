@@ -35,6 +35,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# vLLM's rule (sampling_params._SAMPLING_EPS): a temperature below this samples greedily;
+# dividing logits by it would overflow.
+SAMPLING_EPS = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -57,6 +62,10 @@ class SamplingParams:
     min_p: float = 0.0          # keep tokens with prob >= min_p * the top prob
     logprobs: Optional[int] = None  # None: none; N: the sampled token's plus the top-N raw logprobs
     n: int = 1                  # parallel samples of one prompt (derived seeds, own index each)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
 
     def validate(self, max_model_len: int, vocab_size: int, max_stop_ids: int) -> None:
         """Raise ValueError naming the field and its limit."""

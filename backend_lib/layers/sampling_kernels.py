@@ -74,14 +74,15 @@ if triton is not None:
     @triton.jit
     def _over_t(x, T):
         """x / T, rounded as IEEE division (torch's): with r = RN(1/T), q = RN(x r) and the exact
-        remainder x - qT, RN(q + (x - qT) r) is RN(x / T) for normal operands (Markstein's
-        theorem); -inf (a masked logit) stays -inf. div_rn spends ~10 instructions and a
+        remainder x - qT, RN(q + (x - qT) r) is RN(x / T) (Markstein's theorem; off by an ulp
+        only where the remainder underflows, |x| < ~2^-100). An infinite q (-inf, a masked
+        logit, or an overflow) is the quotient. 1/T is finite: a sampled row's T is >= 1e-5
+        (request.SAMPLING_EPS; below it a row is greedy). div_rn spends ~10 instructions and a
         slow-path branch on every element; here the reciprocal is per row."""
         if GPU_MATH:
             r = tl.math.div_rn(1.0, T)
             q = x * r
-            rem = tl.fma(-q, T, x)
-            z = tl.where(rem == rem, tl.fma(rem, r, q), q)
+            z = tl.where(tl.abs(q) < float("inf"), tl.fma(tl.fma(-q, T, x), r, q), q)
         else:
             z = tl.math.div_rn(x, T)
         return z

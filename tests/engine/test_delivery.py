@@ -65,3 +65,21 @@ def test_the_in_process_dispatcher_lets_a_first_token_overtake_the_backlog():
     a._outs.put(list(BACKLOG))
     a._dispatch_main()
     assert [o.request_id for o in delivered] == WANT
+
+
+def test_a_stats_reply_does_not_flush_the_backlog():
+    """The llm model asks for stats every 200 ms: a reply (counters only) is handled where it
+    comes, without delivering the whole backlog first (which would hold the first token behind
+    a turn of every stream five times a second); DIED and STOPPED still come after the outputs
+    before them."""
+    delivered, controls = [], []
+    c = EngineProcessClient.__new__(EngineProcessClient)
+    c._conn = _ScriptedConn([(0, _steps(*BACKLOG)), (1, (wire.STATS, 7, None)), (1, _steps(FIRST)),
+                             (5, _steps(LATER)), (6, (wire.STOPPED,))], delivered)
+    c._merge_queued, c._stall_s, c._sinks, c._lock = True, 60.0, {}, threading.Lock()
+    c._deliver = delivered.append
+    c._control = lambda msg: controls.append((msg[0], len(delivered)))
+    c._core_gone = lambda: None
+    c._reader_main()
+    assert [o.request_id for o in delivered] == WANT
+    assert controls == [(wire.STATS, 1), (wire.STOPPED, len(WANT))]

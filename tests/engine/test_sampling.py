@@ -56,6 +56,17 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(eng):
         assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
 
 
+def test_a_temperature_below_vllms_epsilon_is_greedy(eng):
+    """vLLM samples greedily below temperature 1e-5 (_SAMPLING_EPS), whatever top-k / top-p /
+    min_p say; dividing the logits by 1e-38 would overflow them to infinities instead."""
+    prompts = _prompts(4, seed=9)
+    ref = [o.token_ids for o in eng.generate(prompts, greedy(12, ignore_eos=True))]
+    for t in (9e-6, 1e-38):
+        sp = SamplingParams(max_tokens=12, temperature=t, top_p=0.5, min_p=0.2, seed=3, ignore_eos=True)
+        assert [o.token_ids for o in eng.generate(prompts, sp)] == ref, t
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 @pytest.mark.parametrize("async_mode", ["off", "on"])
 def test_max_tokens_exact_and_no_overshoot_step(path, async_mode):
     eng = make_engine(path, async_token_handoff=async_mode)

@@ -180,8 +180,9 @@ class TritonPythonModel:
         from backend_lib import AsyncEngine, EngineProcessClient
         self.logger.log_info(f"[llm] starting engine ({'in process' if in_process else 'engine process'}): "
                              f"{cfg.to_json()}")
-        # stream_coalesce=auto: when the sender lags the engine, one response per request per
-        # dispatch pass carries every step queued meanwhile. Both re-raise the engine's start-up errors.
+        # stream_coalesce=auto: when the sender lags the engine, a response carries every token
+        # its sequence made while it waited, and first tokens and finals go ahead of the others
+        # (backend_lib/delivery.py). Both re-raise the engine's start-up errors.
         engine_cls = AsyncEngine if in_process else EngineProcessClient
         self.engine = engine_cls(cfg, merge_queued_outputs=self.coalesce, fault_after_steps=fault_after)
         if fault_after > 0:
