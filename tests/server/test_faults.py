@@ -250,10 +250,11 @@ def start_streams(srv: Launched, per_route_grpc: int = 3) -> list:
         streams += [GrpcStream(f"127.0.0.1:{srv.grpc_port}", route, i) for i in range(per_route_grpc)]
         streams.append(HttpStream(srv.http_port, route, 100))
     # every stream is generating before the fault
-    assert wait_for(lambda: all(s.out.tokens >= 2 or s.out.done.is_set() for s in streams), 120, 0.05), \
-        [(s.out.route, s.out.proto, s.out.tokens) for s in streams]
+    t0 = time.monotonic()
+    state = lambda: [(s.out.route, s.out.proto, s.out.tokens, s.out.end, s.out.message) for s in streams]
+    assert wait_for(lambda: all(s.out.tokens >= 2 or s.out.done.is_set() for s in streams), 120, 0.05), state()
     running = [s for s in streams if not s.out.done.is_set()]
-    assert len(running) >= len(streams) - 2, [(s.out.route, s.out.end, s.out.message) for s in streams]
+    assert len(running) >= len(streams) - 2, (f"{time.monotonic() - t0:.1f} s", state())
     return streams
 
 
