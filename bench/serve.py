@@ -457,14 +457,21 @@ class TritonServer:
 
     def failures(self, models: tuple[str, ...] = ("llm",)) -> float:
         """Failed requests so far (nv_inference_request_failure) of these models."""
+        return self.metric_sum("nv_inference_request_failure", models)
+
+    def metric_sum(self, name: str, models: tuple[str, ...] = ("llm",)) -> float:
+        """A metric's value summed over the lines of these models (nan if unreadable)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as r:
                 text = r.read().decode()
         except Exception:  # noqa: BLE001
             return float("nan")
         return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                   if l.startswith("nv_inference_request_failure{")
-                   and any(f'model="{m}"' in l for m in models))
+                   if l.startswith(name + "{") and any(f'model="{m}"' in l for m in models))
+
+    def sends(self) -> tuple[float, float]:
+        """The llm stub's responses sent and seconds spent in send() so far."""
+        return self.metric_sum("llm_responses_sent_total"), self.metric_sum("llm_response_send_seconds_total")
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -570,18 +577,22 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
            "--input-data", str(data), "--concurrency-range", str(c), "--request-count", str(n),
            "--warmup-request-count", str(warm), "--measurement-interval", "600000",
            "--profile-export-file", str(prof)]
-    fail0 = srv.failures()
+    fail0, sends0 = srv.failures(), srv.sends()
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
         rc, out = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = 124, f"perf_analyzer timed out after {args.point_timeout} s\n{e.stdout or ''}"
-    gpu = busy.mean(t0, time.perf_counter())
+    t1 = time.perf_counter()
+    gpu = busy.mean(t0, t1)
     failures = srv.failures() - fail0
+    time.sleep(0.5)  # the llm model exports its send totals with its stats, every 200 ms
+    sent, send_s = (b - a for a, b in zip(sends0, srv.sends()))
     recs = records_from_profile(prof) if prof.exists() else []
     (args.out_dir / f"pa-{label.replace(' ', '_')}-{wl}-{sampling}-{c}.txt").write_text(" ".join(cmd) + "\n" + out)
-    extra = {}
+    # the stub's cost per response: the Triton path's suspect at high concurrency
+    extra = {"send_us": send_s / sent * 1e6 if sent > 0 else None, "sends_per_s": sent / (t1 - t0)}
     if rc != 0 or not recs:
         extra["perf_analyzer_rc"] = rc
         extra["perf_analyzer_tail"] = out[-800:]
@@ -675,8 +686,8 @@ def markdown(rows: list[dict], header: str) -> str:
     lines = [header, "",
              "| workload | sampling | concurrency | path | requests | errors | output tok/s | x steady tok/s | "
              "TTFT ms p50 | p99 | TPOT ms p50 | p99 | TPOT p50 x in-process | TPOT p50 x steady step | "
-             "GPU busy | responses/request |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GPU busy | responses/request | stub send µs/response | stub sends/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     loop_rows = [r for r in rows if r["workload"] != "burst"]
     wl_order = {"fixed": 0, "mixed": 1}
     for r in sorted(loop_rows, key=lambda r: (wl_order.get(r["workload"], 9), r["sampling"], r["concurrency"],
@@ -691,7 +702,8 @@ def markdown(rows: list[dict], header: str) -> str:
                      f"{r['errors']} | {r['tok_s']:.0f} | {_f(x_tok, '.2f')} | {_f(r['ttft_ms_p50'], '.1f')} | "
                      f"{_f(r['ttft_ms_p99'], '.1f')} | {_f(r['tpot_ms_p50'], '.3f')} | {_f(r['tpot_ms_p99'], '.3f')} | "
                      f"{_f(x_ip, '.2f')} | {_f(x_st, '.2f')} | {_f(r['gpu_busy'], '.2f')} | "
-                     f"{r['responses_per_req']:.1f} |")
+                     f"{r['responses_per_req']:.1f} | {_f(r.get('send_us'), '.0f')} | "
+                     f"{_f(r.get('sends_per_s'), '.0f')} |")
     burst = [r for r in rows if r["workload"] == "burst"]
     if burst:
         syncs = {r["path"].rsplit(", async handoff", 1)[0]: r for r in burst if r["path"].endswith("off")}

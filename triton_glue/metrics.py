@@ -42,6 +42,8 @@ NAMES = {
     "vllm_kv_usage": "vllm:kv_cache_usage_perc",
     "vllm_preempt": "vllm:num_preemptions_total",
     "idle": "llm_gpu_idle_gap_seconds",
+    "sent": "llm_responses_sent_total",
+    "send_s": "llm_response_send_seconds_total",
 }
 
 
@@ -115,6 +117,12 @@ class EngineMetrics:
         self.vllm_preempt = metric(fam("vllm_preempt", MF.COUNTER, "Cumulative number of preemption from the engine."))
         self.idle_gap = metric(fam("idle", MF.HISTOGRAM, "GPU idle gap between consecutive decode steps (s)"),
                                buckets=IDLE_GAP_BUCKETS)
+        # The stub's sends: counted in the sending thread, exported with the engine stats (a
+        # metric update is itself a call to the server: one per send would double their cost).
+        self.responses_sent = metric(fam("sent", MF.COUNTER, "Responses the llm model sent for requests in the engine"))
+        self.response_send_seconds = metric(fam("send_s", MF.COUNTER, "Seconds spent in those sends "
+                                                                      "(response_sender.send, a round trip to the server)"))
+        self._sends_exported = (0, 0.0)
         self._last = {"async": 0, "sync": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0}
         self._vllm_alias = {"pc_queried": self.vllm_pc_queried, "pc_hit": self.vllm_pc_hit,
                             "preempt": self.vllm_preempt}
@@ -151,6 +159,14 @@ class EngineMetrics:
                 self._last[key] = int(total)
         for gap_us in st.gpu_idle_gap_us or ():
             self.idle_gap.observe(gap_us * 1e-6)
+
+    def export_sends(self, count: int, seconds: float) -> None:
+        """Totals so far (count, seconds) of the stub's sends; exported as increments."""
+        c0, s0 = self._sends_exported
+        if count > c0:
+            self.responses_sent.increment(count - c0)
+            self.response_send_seconds.increment(seconds - s0)
+            self._sends_exported = (count, seconds)
 
     def close(self) -> None:
         # Drop metrics before their families (the Python backend requires that order).

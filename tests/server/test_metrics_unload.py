@@ -19,7 +19,7 @@ def test_metrics_are_exact(server):
     assert wait_for(server.idle, 15)
     names = ["llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
              "llm_time_per_output_token_seconds_count", "llm_sync_steps_total", "llm_async_steps_total",
-             "llm_requests_rejected_total"]
+             "llm_requests_rejected_total", "llm_responses_sent_total", "llm_response_send_seconds_total"]
     before = {n: server.metric(n) for n in names}
     length0 = server.metric("llm_requests_finished_total", reason="length")
     prompts = [[1 + i] * (3 + i) for i in range(5)]           # 3..7 tokens: 25 in all
@@ -44,6 +44,9 @@ def test_metrics_are_exact(server):
     assert d["llm_time_to_first_token_seconds_count"] == 5
     assert d["llm_time_per_output_token_seconds_count"] == 5
     assert d["llm_requests_rejected_total"] == 1
+    # one count per response the clients got (however the stream coalesced them), and their time
+    assert d["llm_responses_sent_total"] == sum(len(c.ids()) for c in got) >= 5
+    assert 0 < d["llm_response_send_seconds_total"] < 5
     assert server.metric("llm_requests_finished_total", reason="length") - length0 == 5
     # every engine step is counted as either async (handoff engaged) or sync; on CPU with
     # async_token_handoff=auto the engine runs synchronously

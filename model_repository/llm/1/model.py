@@ -75,6 +75,20 @@ class _Group:
 _SERVER_CALL = threading.Lock()
 
 
+class _SendTotals:
+    """Responses sent and the seconds spent sending them; updated under _SERVER_CALL."""
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    def add(self, seconds):
+        self.count += 1
+        self.seconds += seconds
+
+
+_SENDS = _SendTotals()
+
+
 def _requested_outputs(request):
     """The output names the client asked for, None for all. Triton drops the other outputs of
     a response only after the stub has paid to send them, and send() grows with each tensor:
@@ -381,7 +395,9 @@ class TritonPythonModel:
                     g.closed = True
                     flags = FINAL
             with _SERVER_CALL:
+                t0 = time.perf_counter()
                 g.sender.send(response, flags=flags)
+                _SENDS.add(time.perf_counter() - t0)
             if flags:
                 # Drop the sender now, while the backend is up, and the group <-> rows cycle
                 # with it: left to the cyclic collector, a sender can be freed at the stub's
@@ -497,6 +513,7 @@ class TritonPythonModel:
     def _export_stats(self):
         try:
             self.metrics.export_engine_stats(self.engine.stats(), self.engine.is_healthy())
+            self.metrics.export_sends(_SENDS.count, _SENDS.seconds)
         except Exception as e:  # noqa: BLE001
             self.logger.log_warn(f"[llm] stats export failed: {e!r}")
 
