@@ -76,10 +76,11 @@ class _FailAll:
 class OutputSinks:
     """Each request's sink (a RequestStream, or a callback): registration and delivery, the part
     AsyncEngine and engine_client.EngineProcessClient share. Subclasses own `_sinks` {request
-    id: (stream, callback)}, `_lock` and `_stopping`."""
+    id: (stream, callback)}, `_lock`, `_stopping` and `_merge_queued`."""
     _sinks: dict
     _lock: threading.Lock
     _stopping: bool
+    _merge_queued: bool
 
     def _register(self, request_id: str, callback: Optional[Callback]) -> RequestStream:
         """A new request's sink (its stream, and its callback if any)."""
@@ -105,6 +106,19 @@ class OutputSinks:
             callback(out)
         except Exception:  # a broken sink must not stop other requests' delivery
             logger.exception("output callback failed for request %s", out.request_id)
+
+    def _accept(self, outs, waiting: DeliveryQueue) -> None:
+        """A step's outputs: into `waiting` with merge_queued_outputs, else delivered now."""
+        for out in outs:
+            if self._merge_queued:
+                waiting.add(out)
+            else:
+                self._deliver(out)
+
+    def _flush(self, waiting: DeliveryQueue) -> None:
+        """Every waiting output, most urgent first (before a control message, or at the end)."""
+        for out in waiting.drain():
+            self._deliver(out)
 
     def _fail_all(self, reason: FinishReason, error: Optional[str]) -> None:
         with self._lock:
@@ -304,14 +318,9 @@ class AsyncEngine(OutputSinks):
                     continue
             for item in items:
                 if isinstance(item, list):
-                    for out in item:
-                        if self._merge_queued:
-                            waiting.add(out)
-                        else:
-                            self._deliver(out)
+                    self._accept(item, waiting)
                     continue
-                for out in waiting.drain():  # a control item: the outputs before it go first
-                    self._deliver(out)
+                self._flush(waiting)  # a control item: the outputs before it go first
                 if item is _STOP:
                     return
                 self._fail_all(item.reason, item.error)

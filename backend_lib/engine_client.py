@@ -296,8 +296,7 @@ class EngineProcessClient(OutputSinks):
                 if waiting:  # one callback per read at least, however fast messages come
                     self._deliver(waiting.pop())
         finally:
-            for out in waiting.drain():  # what the core sent before it went away
-                self._deliver(out)
+            self._flush(waiting)  # what the core sent before it went away
         self._core_gone()
 
     def _read_available(self) -> tuple[list, bool]:
@@ -317,17 +316,11 @@ class EngineProcessClient(OutputSinks):
                 self._control(msg)  # counters only: the outputs before it need not go first
                 continue
             if msg[0] != wire.STEPS:
-                for out in waiting.drain():  # the outputs before DIED / STOPPED go first
-                    self._deliver(out)
+                self._flush(waiting)  # the outputs before DIED / STOPPED go first
                 self._control(msg)
                 continue
             for step in msg[1]:
-                for t in step:
-                    out = wire.decode_output(t)
-                    if self._merge_queued:
-                        waiting.add(out)
-                    else:
-                        self._deliver(out)
+                self._accept(map(wire.decode_output, step), waiting)
 
     def _check_wedged(self, heard: float) -> float:
         """Nothing from the core: kill it once it has been silent for the stall timeout with
