@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from . import envs
 from .config import EngineConfig
-from .delivery import DeliveryQueue
+from .delivery import Delivery
 from .engine import EngineStats, LLMEngine
 from .fault_hook import fail_after_steps
 from .request import FinishReason, RequestOutput, SamplingParams
@@ -76,11 +76,12 @@ class _FailAll:
 class OutputSinks:
     """Each request's sink (a RequestStream, or a callback): registration and delivery, the part
     AsyncEngine and engine_client.EngineProcessClient share. Subclasses own `_sinks` {request
-    id: (stream, callback)}, `_lock`, `_stopping` and `_merge_queued`."""
+    id: (stream, callback)}, `_lock`, `_stopping`, `_merge_queued` and `_delivery_threads`."""
     _sinks: dict
     _lock: threading.Lock
     _stopping: bool
     _merge_queued: bool
+    _delivery_threads: int
 
     def _register(self, request_id: str, callback: Optional[Callback]) -> RequestStream:
         """A new request's sink (its stream, and its callback if any)."""
@@ -107,17 +108,17 @@ class OutputSinks:
         except Exception:  # a broken sink must not stop other requests' delivery
             logger.exception("output callback failed for request %s", out.request_id)
 
-    def _accept(self, outs, waiting: DeliveryQueue) -> None:
-        """A step's outputs: into `waiting` with merge_queued_outputs, else delivered now."""
-        for out in outs:
-            if self._merge_queued:
-                waiting.add(out)
-            else:
-                self._deliver(out)
+    def _delivery(self) -> Delivery:
+        """The dispatching thread's Delivery: `_delivery_threads` threads run the callbacks."""
+        return Delivery(self._deliver, self._delivery_threads if self._merge_queued else 1,
+                        name=f"{threading.current_thread().name}-delivery")
 
-    def _flush(self, waiting: DeliveryQueue) -> None:
-        """Every waiting output, most urgent first (before a control message, or at the end)."""
-        for out in waiting.drain():
+    def _accept(self, outs, waiting: Delivery) -> None:
+        """A step's outputs: into `waiting` with merge_queued_outputs, else delivered now."""
+        if self._merge_queued:
+            waiting.add(outs)
+            return
+        for out in outs:
             self._deliver(out)
 
     def _fail_all(self, reason: FinishReason, error: Optional[str]) -> None:
@@ -134,6 +135,15 @@ class OutputSinks:
                     logger.exception("output callback failed for request %s", rid)
 
 
+def _checked_delivery_threads(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DELIVERY_THREADS:
+        raise ValueError(f"delivery_threads must be an integer from 1 to {MAX_DELIVERY_THREADS}, not {n!r}")
+    return n
+
+
+# Threads that may run output callbacks at once (Triton's python backend serves a model's
+# sends from a pool of 32 threads by default).
+MAX_DELIVERY_THREADS = 16
 # How often the dispatcher, waiting for outputs, checks for a stalled step.
 STALL_POLL_S = 1.0
 # Step lists the dispatcher takes off its queue before it delivers again.
@@ -146,16 +156,19 @@ class EngineStalled(RuntimeError):
 
 class AsyncEngine(OutputSinks):
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False,
-                 fault_after_steps: int = 0):
+                 fault_after_steps: int = 0, delivery_threads: int = 1):
         """merge_queued_outputs: when the callbacks fall behind the engine loop, what waits is
         merged per sequence (delivery.DeliveryQueue: one output carries every token the
         sequence made meanwhile) and delivered most urgent first: a slow sink (Triton's
         response sender) pays its per-output cost once per turn instead of once per step,
         first tokens and finals overtake the backlog, and streams take turns.
+        delivery_threads (with merge_queued_outputs): threads that run the callbacks, each
+        request on one at a time; 1 is the dispatcher thread itself.
         fault_after_steps: test hook, > 0 makes the engine loop fail after that many steps."""
         self.config = config
         self._fault_after_steps = fault_after_steps
         self._merge_queued = merge_queued_outputs
+        self._delivery_threads = _checked_delivery_threads(delivery_threads)
         self.error: Optional[BaseException] = None
         self._stall_s = envs.engine_stall_timeout_s()
         self._step_began: Optional[float] = None  # monotonic start of the step in progress
@@ -303,31 +316,34 @@ class AsyncEngine(OutputSinks):
 
     # ---- dispatcher thread ------------------------------------------------------------------
     def _dispatch_main(self) -> None:
-        # merge_queued_outputs: outputs wait in a DeliveryQueue (merged per sequence, most
-        # urgent first) and go out one at a time, the queued steps taken in between.
-        waiting = DeliveryQueue()
+        # merge_queued_outputs: outputs wait in a Delivery (merged per sequence, most urgent
+        # first) and go out one at a time, the queued steps taken in between (one delivery
+        # thread: this one; more: helpers, and this thread only takes steps).
+        waiting = self._delivery()
         while True:
             items: list = []
             try:
-                items.append(self._outs.get_nowait() if waiting else self._outs.get(timeout=STALL_POLL_S))
+                items.append(self._outs.get_nowait() if waiting.reader_has_work()
+                             else self._outs.get(timeout=STALL_POLL_S))
                 while len(items) < MAX_ITEMS_PER_PASS:
                     items.append(self._outs.get_nowait())
             except queue.Empty:
-                if not items and not waiting:
-                    self._check_stall()
+                if not items and not waiting.reader_has_work():
+                    self._check_stall(waiting)
                     continue
             for item in items:
                 if isinstance(item, list):
                     self._accept(item, waiting)
                     continue
-                self._flush(waiting)  # a control item: the outputs before it go first
+                waiting.flush()  # a control item: the outputs before it go first
                 if item is _STOP:
+                    waiting.close()
                     return
                 self._fail_all(item.reason, item.error)
-            if waiting:
-                self._deliver(waiting.pop())
+            if waiting.reader_has_work():
+                waiting.deliver_one()
 
-    def _check_stall(self) -> None:
+    def _check_stall(self, waiting: Delivery) -> None:
         """A step running for longer than the stall timeout (a hung kernel, a deadlock) fails
         every request and makes the engine unhealthy, as the engine process's client does; the
         thread itself cannot be stopped, and exits if the step ever returns."""
@@ -339,4 +355,5 @@ class AsyncEngine(OutputSinks):
             self.error = EngineStalled(f"engine step running for {waited:.0f} s "
                                        f"({envs.ENGINE_STALL_TIMEOUT_ENV}={self._stall_s:g})")
             logger.error("engine stalled: %s; failing every request", self.error)
+            waiting.flush()  # the outputs before the stall go first
             self._fail_all(FinishReason.ERROR, f"engine failed: {self.error!r}")

@@ -11,12 +11,18 @@ it out most urgent first:
      back: streams take turns).
 Handing out one output at a time and adding new steps in between lets an urgent output overtake
 a backlog that was queued before it.
+
+Delivery shares a DeliveryQueue between the thread that fills it and the threads that run the
+callbacks: the filling thread itself between reads (one deliverer), or helper threads of their own
+(several: Triton's send() releases the GIL while it waits on the server, so N sends overlap).
+A request is in one thread's hands at a time, which keeps its outputs in order.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import OrderedDict, deque
-from typing import Optional
+from typing import Callable, Collection, Iterable, Optional
 
 from .request import RequestOutput
 
@@ -69,19 +75,26 @@ class DeliveryQueue:
         if out.finished:
             self._ended[rid] = None
 
-    def pop(self) -> RequestOutput:
-        """The most urgent waiting output (IndexError when none waits)."""
-        if self._firsts:
-            return self._firsts.popleft()
-        if self._ended:
-            rid = next(iter(self._ended))
+    def pop(self, busy: Collection[str] = ()) -> Optional[RequestOutput]:
+        """The most urgent waiting output of a request not in `busy` (None when there is none).
+        Skipping a busy request costs one look per busy request: `busy` is a thread each."""
+        for i, out in enumerate(self._firsts):
+            if out.request_id not in busy:
+                del self._firsts[i]
+                return out
+        for rid in self._ended:
+            if rid in busy:
+                continue
             keys = self._keys_of[rid]
             key = next((k for k in keys if not self._pending[k].latest.finished), None)
             if key is None:  # only the final output is left
                 key = next(iter(keys))
                 del self._ended[rid]
             return self._take(key)
-        return self._take(next(iter(self._pending)))
+        for key in self._pending:
+            if key[0] not in busy:
+                return self._take(key)
+        return None
 
     def _take(self, key: tuple[str, int]) -> RequestOutput:
         p = self._pending.pop(key)
@@ -96,4 +109,84 @@ class DeliveryQueue:
         while self:
             out.append(self.pop())
         return out
+
+
+class Delivery:
+    """A DeliveryQueue filled by one thread (AsyncEngine's dispatcher, EngineProcessClient's
+    reader) and delivered to `deliver` by that thread between reads (threads=1: call
+    deliver_one) or by `threads` helper threads (the filling thread then only fills). Each
+    request is delivered by one thread at a time, in its queue order; close() delivers what
+    waits and ends the helpers."""
+
+    def __init__(self, deliver: Callable[[RequestOutput], None], threads: int = 1, name: str = "delivery"):
+        if threads < 1:
+            raise ValueError(f"delivery threads must be at least 1, not {threads}")
+        self._deliver = deliver
+        self._queue = DeliveryQueue()
+        self._cond = threading.Condition()
+        self._busy: set[str] = set()  # request ids being delivered
+        self._closing = False
+        self.inline = threads == 1
+        self._helpers = [] if self.inline else [
+            threading.Thread(target=self._help, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for t in self._helpers:
+            t.start()
+
+    def add(self, outs: Iterable[RequestOutput]) -> None:
+        with self._cond:
+            for out in outs:
+                self._queue.add(out)
+            self._cond.notify(len(self._helpers))
+
+    def reader_has_work(self) -> bool:
+        """Whether the filling thread should deliver before it waits for more (inline only)."""
+        return self.inline and bool(self._queue)
+
+    def deliver_one(self) -> bool:
+        """Deliver the most urgent output on this thread; False when none is ready."""
+        with self._cond:
+            out = self._queue.pop(self._busy)
+            if out is None:
+                return False
+            self._busy.add(out.request_id)
+        self._run(out)
+        return True
+
+    def flush(self) -> None:
+        """Return once everything added so far has been delivered."""
+        if self.inline:
+            while self.deliver_one():
+                pass
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queue and not self._busy)
+
+    def close(self) -> None:
+        self.flush()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for t in self._helpers:
+            if t is not threading.current_thread():
+                t.join()
+
+    def _run(self, out: RequestOutput) -> None:
+        try:
+            self._deliver(out)
+        finally:
+            with self._cond:
+                self._busy.discard(out.request_id)
+                self._cond.notify_all()  # its next output may wait; flush() may wait
+
+    def _help(self) -> None:
+        while True:
+            with self._cond:
+                out = self._queue.pop(self._busy)
+                while out is None:
+                    if self._closing:
+                        return
+                    self._cond.wait()
+                    out = self._queue.pop(self._busy)
+                self._busy.add(out.request_id)
+            self._run(out)
 

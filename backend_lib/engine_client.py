@@ -36,9 +36,9 @@ from typing import Optional, Sequence
 
 from . import engine_wire as wire
 from . import envs
-from .async_engine import STALL_POLL_S, Callback, OutputSinks, RequestStream
+from .async_engine import STALL_POLL_S, Callback, OutputSinks, RequestStream, _checked_delivery_threads
 from .config import EngineConfig
-from .delivery import DeliveryQueue
+from .delivery import Delivery
 from .engine import EngineStats
 from .interpreter import python_executable
 from .request import FinishReason, RequestOutput, SamplingParams, validate_request
@@ -57,11 +57,12 @@ MAX_MESSAGES_PER_PASS = 64
 
 class EngineProcessClient(OutputSinks):
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False,
-                 fault_after_steps: int = 0):
-        """merge_queued_outputs: as AsyncEngine's. fault_after_steps: test hook, the core's
-        engine loop raises after that many steps."""
+                 fault_after_steps: int = 0, delivery_threads: int = 1):
+        """merge_queued_outputs, delivery_threads: as AsyncEngine's. fault_after_steps: test
+        hook, the core's engine loop raises after that many steps."""
         self.config = config
         self._merge_queued = merge_queued_outputs
+        self._delivery_threads = _checked_delivery_threads(delivery_threads)
         self.error: Optional[BaseException] = None
         self._sinks: dict[str, tuple[RequestStream, Optional[Callback]]] = {}
         self._lock = threading.Lock()
@@ -272,19 +273,20 @@ class EngineProcessClient(OutputSinks):
             self._reader_main()
 
     def _reader_main(self) -> None:
-        # merge_queued_outputs: outputs wait merged, most urgent first (delivery.DeliveryQueue),
-        # and go out one at a time, the socket read again between two callbacks.
-        waiting = DeliveryQueue()
+        # merge_queued_outputs: outputs wait merged, most urgent first (delivery.Delivery), and
+        # go out one at a time, the socket read again between two callbacks (one delivery
+        # thread: this one; more: helpers, and this thread only reads).
+        waiting = self._delivery()
         heard = time.monotonic()  # the core's last message, or the last moment with nothing in flight
         try:
             while True:
                 try:
-                    ready = self._conn.poll(0 if waiting else STALL_POLL_S)
+                    ready = self._conn.poll(0 if waiting.reader_has_work() else STALL_POLL_S)
                 except (EOFError, OSError):
                     break
                 if not ready:
-                    if waiting:
-                        self._deliver(waiting.pop())
+                    if waiting.reader_has_work():
+                        waiting.deliver_one()
                     else:
                         heard = self._check_wedged(heard)
                     continue
@@ -293,10 +295,10 @@ class EngineProcessClient(OutputSinks):
                 self._take(msgs, waiting)
                 if ended:
                     break
-                if waiting:  # one callback per read at least, however fast messages come
-                    self._deliver(waiting.pop())
+                if waiting.reader_has_work():  # one callback per read at least, however fast messages come
+                    waiting.deliver_one()
         finally:
-            self._flush(waiting)  # what the core sent before it went away
+            waiting.close()  # what the core sent before it went away
         self._core_gone()
 
     def _read_available(self) -> tuple[list, bool]:
@@ -310,17 +312,17 @@ class EngineProcessClient(OutputSinks):
             return msgs, True
         return msgs, False
 
-    def _take(self, msgs: list, waiting: DeliveryQueue) -> None:
+    def _take(self, msgs: list, waiting: Delivery) -> None:
         for msg in msgs:
             if msg[0] == wire.STATS:
                 self._control(msg)  # counters only: the outputs before it need not go first
                 continue
             if msg[0] != wire.STEPS:
-                self._flush(waiting)  # the outputs before DIED / STOPPED go first
+                waiting.flush()  # the outputs before DIED / STOPPED go first
                 self._control(msg)
                 continue
             for step in msg[1]:
-                self._accept(map(wire.decode_output, step), waiting)
+                self._accept(list(map(wire.decode_output, step)), waiting)
 
     def _check_wedged(self, heard: float) -> float:
         """Nothing from the core: kill it once it has been silent for the stall timeout with

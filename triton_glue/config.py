@@ -51,6 +51,9 @@ GLUE_PARAMETERS = {
     # streaming: "auto" merges a request's tokens into one response while the sender is behind
     # the engine (step outputs queued up), one response per step otherwise; "off": per step
     "stream_coalesce": "auto",
+    # threads that build and send responses with stream_coalesce=auto (send() releases the GIL
+    # while tritonserver takes the response: several overlap); 1: the engine's output thread
+    "delivery_threads": "1",
     # sys.setswitchinterval for the model's process, in ms ("" keeps Python's 5 ms): how long
     # the sender thread may hold the GIL while the engine loop waits for it
     "gil_switch_interval_ms": "",
@@ -67,6 +70,17 @@ def engine_process(model_config: Union[str, Mapping[str, Any]]) -> bool:
     if raw not in ("on", "off"):
         raise ValueError(f"parameter 'engine_process' must be 'on' or 'off', not {raw!r}")
     return raw == "on"
+
+
+def delivery_threads(model_config: Union[str, Mapping[str, Any]]) -> int:
+    """The `delivery_threads` glue parameter, or ValueError naming it and its limits."""
+    from backend_lib.async_engine import MAX_DELIVERY_THREADS
+
+    raw = glue_parameter(model_config, "delivery_threads").strip()
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_DELIVERY_THREADS:
+        raise ValueError(f"parameter 'delivery_threads' must be an integer from 1 to {MAX_DELIVERY_THREADS}, "
+                         f"not {raw!r}")
+    return int(raw)
 
 
 def positive_ms(name: str, raw: str, limit: float = 1000.0) -> float:

@@ -264,14 +264,18 @@ def test_shutdown_timeout_never_runs_callbacks_on_the_callers_thread(path):
     assert len({t for _, _, t in calls}) == 1  # one thread delivers everything
 
 
-def test_merged_outputs_when_the_callback_lags(path, generate_reference):
+@pytest.mark.parametrize("delivery_threads", [1, 3])
+def test_merged_outputs_when_the_callback_lags(path, generate_reference, delivery_threads):
     """merge_queued_outputs with a callback slower than an engine step: each request's
     callbacks carry several steps' tokens (fewer callbacks than tokens), yet tokens keep
-    coming while it runs (none held back until its end), in generate's order, one final last."""
+    coming while it runs (none held back until its end), in generate's order, one final last.
+    delivery_threads 3: three threads run the callbacks, never two of one request at once."""
     prompts, params, ref = generate_reference
-    aeng = AsyncEngine(EngineConfig(model_path=path, **KW), merge_queued_outputs=True)
+    aeng = AsyncEngine(EngineConfig(model_path=path, **KW), merge_queued_outputs=True,
+                       delivery_threads=delivery_threads)
     calls: dict[str, list] = {}
     lock = threading.Lock()
+    threads, running, overlaps = set(), set(), []
     # Callbacks run one after another, so a request hears from it every (active requests x
     # callback) seconds: half a step each makes that several steps (merged tokens) yet shorter
     # than a long request (tokens keep coming), however loaded the machine is.
@@ -290,8 +294,14 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference):
     def cb(out):
         with lock:
             calls.setdefault(out.request_id, []).append(out)
+            threads.add(threading.current_thread().name)
+            if out.request_id in running:
+                overlaps.append(out.request_id)
+            running.add(out.request_id)
         recent = sorted(step_s[-16:])
-        time.sleep(max(0.001, 0.5 * recent[len(recent) // 2]))
+        time.sleep(max(0.001, 0.5 * recent[len(recent) // 2] * delivery_threads))
+        with lock:
+            running.discard(out.request_id)
 
     try:
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -310,6 +320,7 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference):
             with_tokens = [o for o in outs if o.new_token_ids]
             assert 2 <= len(with_tokens) < len(toks), (i, [len(o.new_token_ids) for o in outs])
     assert long_ones >= 3
+    assert not overlaps and len(threads) == delivery_threads, (overlaps, threads)
 
 
 def _out(rid, toks, total, finished=False, index=0):

@@ -41,7 +41,7 @@ def test_the_engine_process_reader_lets_a_first_token_overtake_the_backlog():
     delivered = []
     c = EngineProcessClient.__new__(EngineProcessClient)
     c._conn = _ScriptedConn([(0, _steps(*BACKLOG)), (1, _steps(FIRST)), (5, _steps(LATER))], delivered)
-    c._merge_queued, c._stall_s, c._sinks, c._lock = True, 60.0, {}, threading.Lock()
+    c._merge_queued, c._delivery_threads, c._stall_s, c._sinks, c._lock = True, 1, 60.0, {}, threading.Lock()
     c._deliver = delivered.append
     c._core_gone = lambda: None
     c._reader_main()
@@ -53,7 +53,7 @@ def test_the_in_process_dispatcher_lets_a_first_token_overtake_the_backlog():
     from backend_lib.async_engine import _STOP
     delivered = []
     a = AsyncEngine.__new__(AsyncEngine)
-    a._outs, a._merge_queued = queue.Queue(), True
+    a._outs, a._merge_queued, a._delivery_threads = queue.Queue(), True, 1
     later = {1: [FIRST], 5: [LATER], 14: _STOP}
 
     def deliver(out):
@@ -76,10 +76,90 @@ def test_a_stats_reply_does_not_flush_the_backlog():
     c = EngineProcessClient.__new__(EngineProcessClient)
     c._conn = _ScriptedConn([(0, _steps(*BACKLOG)), (1, (wire.STATS, 7, None)), (1, _steps(FIRST)),
                              (5, _steps(LATER)), (6, (wire.STOPPED,))], delivered)
-    c._merge_queued, c._stall_s, c._sinks, c._lock = True, 60.0, {}, threading.Lock()
+    c._merge_queued, c._delivery_threads, c._stall_s, c._sinks, c._lock = True, 1, 60.0, {}, threading.Lock()
     c._deliver = delivered.append
     c._control = lambda msg: controls.append((msg[0], len(delivered)))
     c._core_gone = lambda: None
     c._reader_main()
     assert [o.request_id for o in delivered] == WANT
     assert controls == [(wire.STATS, 1), (wire.STOPPED, len(WANT))]
+
+
+def _script(requests=12, steps=10):
+    """Step lists of `requests` streams: request i starts at step i % 3 and ends at its last step."""
+    out = []
+    for s in range(steps):
+        step = []
+        for i in range(requests):
+            k = s - i % 3
+            if 0 <= k < steps - 2:
+                done = k == steps - 3
+                step.append(RequestOutput(f"r{i}", [100 * i + k], done, "length" if done else None,
+                                          num_prompt_tokens=3, num_output_tokens=k + 1))
+        out.append(step)
+    return out
+
+
+def test_several_delivery_threads_keep_each_request_in_order_and_overlap():
+    """delivery_threads > 1: callbacks of different requests run at the same time (Triton's
+    send() waits on the server with the GIL released), never two of one request at once; every
+    token arrives once, in order, the final last; close() ends the helper threads."""
+    import random
+    import time
+    from backend_lib.delivery import Delivery
+
+    lock = threading.Lock()
+    got: dict[str, list] = {}
+    running: dict[str, int] = {}
+    overlap = {"max": 0, "same_request": 0}
+    rng = random.Random(7)
+
+    def deliver(out):
+        with lock:
+            running[out.request_id] = running.get(out.request_id, 0) + 1
+            overlap["same_request"] = max(overlap["same_request"], running[out.request_id])
+            overlap["max"] = max(overlap["max"], sum(running.values()))
+        time.sleep(rng.uniform(0.001, 0.004))
+        with lock:
+            running[out.request_id] -= 1
+            got.setdefault(out.request_id, []).append(out)
+
+    d = Delivery(deliver, threads=4, name="test-delivery")
+    assert not d.reader_has_work()  # the helpers deliver; the filling thread only fills
+    for step in _script():
+        d.add(step)
+        time.sleep(0.002)
+    d.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-delivery")]
+    assert overlap["same_request"] == 1 and overlap["max"] >= 2, overlap
+    for i in range(12):
+        outs = got[f"r{i}"]
+        assert [t for o in outs for t in o.new_token_ids] == [100 * i + k for k in range(8)], outs
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[0].new_token_ids == [100 * i]  # the first token alone
+
+
+def test_one_delivery_thread_is_the_filling_thread():
+    from backend_lib.delivery import Delivery
+    seen = []
+    d = Delivery(lambda o: seen.append(threading.current_thread().name), threads=1)
+    d.add(_script()[0])
+    assert d.reader_has_work()
+    while d.deliver_one():
+        pass
+    d.close()
+    assert seen and set(seen) == {threading.current_thread().name}
+
+
+def test_delivery_threads_out_of_range_name_the_parameter():
+    import pytest
+    from backend_lib.engine import EngineConfig  # noqa: F401 - the engines' constructors check it
+    from backend_lib.async_engine import _checked_delivery_threads
+    for bad in (0, 17, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="delivery_threads must be an integer from 1 to 16"):
+            _checked_delivery_threads(bad)
+    from triton_glue.config import delivery_threads
+    cfg = {"parameters": {"delivery_threads": {"string_value": "0"}}}
+    with pytest.raises(ValueError, match="parameter 'delivery_threads' must be an integer from 1 to 16, not '0'"):
+        delivery_threads(cfg)
+    assert delivery_threads({"parameters": {"delivery_threads": {"string_value": "4"}}}) == 4

@@ -110,11 +110,16 @@ def test_shutdown_with_requests_in_flight(path):
         c.add_request("late", [5], greedy(3))
 
 
-def test_merged_outputs_behind_a_slow_callback(path, generate_reference):
+@pytest.mark.parametrize("delivery_threads", [1, 3])
+def test_merged_outputs_behind_a_slow_callback(path, generate_reference, delivery_threads):
+    """delivery_threads 3: the callbacks run on three threads of their own, a request on one at
+    a time (its tokens stay in order), as the llm model's sends do with delivery_threads > 1."""
     prompts, params, ref = generate_reference
-    c = EngineProcessClient(EngineConfig(model_path=path, **KW), merge_queued_outputs=True)
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW), merge_queued_outputs=True,
+                            delivery_threads=delivery_threads)
     calls: dict[str, list] = {}
     lock = threading.Lock()
+    threads, running, overlaps = set(), set(), []
     # Callbacks run one after another. The first one stalls for a second while the engine
     # keeps stepping, so every request's outputs of those steps queue up behind it (merged
     # tokens), however fast or loaded this machine is; the later ones take half a step (a
@@ -127,10 +132,16 @@ def test_merged_outputs_behind_a_slow_callback(path, generate_reference):
     def cb(out):
         with lock:
             calls.setdefault(out.request_id, []).append(out)
+            threads.add(threading.current_thread().name)
+            if out.request_id in running:
+                overlaps.append(out.request_id)
+            running.add(out.request_id)
         if not stalled.is_set():
             stalled.set()
             time.sleep(1.0)
-        time.sleep(max(0.001, 0.5 * step_s))
+        time.sleep(max(0.001, 0.5 * step_s * delivery_threads))
+        with lock:
+            running.discard(out.request_id)
 
     try:
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -146,6 +157,8 @@ def test_merged_outputs_behind_a_slow_callback(path, generate_reference):
         assert str(outs[-1].finish_reason) == reason
         merged += any(len(o.new_token_ids) > 1 for o in outs)
     assert merged >= 3  # several steps' tokens in one callback
+    assert not overlaps  # never two callbacks of one request at once
+    assert len(threads) == delivery_threads, threads
 
 
 def test_startup_errors_reraised_like_the_in_process_engine(tmp_path):

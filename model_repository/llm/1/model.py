@@ -4,8 +4,9 @@ Threads (per model instance):
   - Triton's execute thread: parse + validate + AsyncEngine.add_request, returns None at once;
   - the engine loop thread (backend_lib.AsyncEngine), or with engine_process=on the engine loop
     in a process of its own (backend_lib.EngineProcessClient) and nothing of it here;
-  - the engine's dispatcher thread (engine_process=on: its output reader thread): the ONLY
-    sender; it turns RequestOutputs into responses;
+  - the engine's dispatcher thread (engine_process=on: its output reader thread), or with
+    delivery_threads > 1 that many delivery threads: the only senders; they turn RequestOutputs
+    into responses, each request on one thread at a time;
   - a monitor thread: polls is_cancelled() of in-flight requests, one pass per cancel_poll_ms
     (-> AsyncEngine.abort), and exports engine stats to the metrics endpoint.
 Every request gets exactly one FINAL: from the dispatcher (normal end, abort, engine error),
@@ -68,22 +69,22 @@ class _Group:
         self.error = None  # why the engine refused a row: the request's one error, on its last row's end
 
 
-# The stub's hot calls into the server (send, is_cancelled) go one at a time. No guard against
-# a send() that never returns: that is a send to a BLS route's request whose stub has died
-# (tritonserver 2.51 waits on the dead stub for good; triton_glue/upstream.HeldIterators keeps
-# our BLS stubs from the crash that did it in the soak test), and nothing here can end it.
-_SERVER_CALL = threading.Lock()
+# No guard against a send() that never returns: that is a send to a BLS route's request whose
+# stub has died (tritonserver 2.51 waits on the dead stub for good; triton_glue/upstream.HeldIterators
+# keeps our BLS stubs from the crash that did it in the soak test), and nothing here can end it.
 
 
 class _SendTotals:
-    """Responses sent and the seconds spent sending them; updated under _SERVER_CALL."""
+    """Responses sent and the seconds spent sending them (by every delivery thread)."""
 
     def __init__(self):
         self.count, self.seconds = 0, 0.0
+        self._lock = threading.Lock()
 
     def add(self, seconds):
-        self.count += 1
-        self.seconds += seconds
+        with self._lock:
+            self.count += 1
+            self.seconds += seconds
 
 
 _SENDS = _SendTotals()
@@ -192,13 +193,15 @@ class TritonPythonModel:
         in_process = not glue_config.engine_process(self.model_config)
         fault_after = int(glue_config.glue_parameter(self.model_config, "test_fault_after_steps"))
         from backend_lib import AsyncEngine, EngineProcessClient
-        self.logger.log_info(f"[llm] starting engine ({'in process' if in_process else 'engine process'}): "
-                             f"{cfg.to_json()}")
+        delivery_threads = glue_config.delivery_threads(self.model_config)
+        self.logger.log_info(f"[llm] starting engine ({'in process' if in_process else 'engine process'}, "
+                             f"{delivery_threads} delivery thread(s)): {cfg.to_json()}")
         # stream_coalesce=auto: when the sender lags the engine, a response carries every token
         # its sequence made while it waited, and first tokens and finals go ahead of the others
         # (backend_lib/delivery.py). Both re-raise the engine's start-up errors.
         engine_cls = AsyncEngine if in_process else EngineProcessClient
-        self.engine = engine_cls(cfg, merge_queued_outputs=self.coalesce, fault_after_steps=fault_after)
+        self.engine = engine_cls(cfg, merge_queued_outputs=self.coalesce, fault_after_steps=fault_after,
+                                 delivery_threads=delivery_threads)
         if fault_after > 0:
             self.logger.log_warn(f"[llm] test hook: the engine will fail after {fault_after} steps")
         self.logger.log_info(f"[llm] engine ready (vocab={self.engine.vocab_size}, "
@@ -394,10 +397,9 @@ class TritonPythonModel:
                 if g.remaining <= 0:
                     g.closed = True
                     flags = FINAL
-            with _SERVER_CALL:
-                t0 = time.perf_counter()
-                g.sender.send(response, flags=flags)
-                _SENDS.add(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            g.sender.send(response, flags=flags)
+            _SENDS.add(time.perf_counter() - t0)
             if flags:
                 # Drop the sender now, while the backend is up, and the group <-> rows cycle
                 # with it: left to the cyclic collector, a sender can be freed at the stub's
@@ -410,8 +412,7 @@ class TritonPythonModel:
         with g.lock:
             if g.closed:
                 return False
-            with _SERVER_CALL:
-                return g.sender.is_cancelled()
+            return g.sender.is_cancelled()
 
     def _account(self, ctx, out):
         self.metrics.request_finished(str(out.finish_reason) if out.finish_reason is not None else "error",
