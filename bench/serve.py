@@ -473,6 +473,11 @@ class TritonServer:
         """The llm stub's responses sent and seconds spent in send() so far."""
         return self.metric_sum("llm_responses_sent_total"), self.metric_sum("llm_response_send_seconds_total")
 
+    def engine_counters(self) -> tuple[float, float]:
+        """The engine's steps so far and the GPU idle time between its decode steps (s)."""
+        return (self.metric_sum("llm_async_steps_total") + self.metric_sum("llm_sync_steps_total"),
+                self.metric_sum("llm_gpu_idle_gap_seconds_sum"))
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -577,7 +582,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
            "--input-data", str(data), "--concurrency-range", str(c), "--request-count", str(n),
            "--warmup-request-count", str(warm), "--measurement-interval", "600000",
            "--profile-export-file", str(prof)]
-    fail0, sends0 = srv.failures(), srv.sends()
+    fail0, sends0, eng0 = srv.failures(), srv.sends(), srv.engine_counters()
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
@@ -589,10 +594,13 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     failures = srv.failures() - fail0
     time.sleep(0.5)  # the llm model exports its send totals with its stats, every 200 ms
     sent, send_s = (b - a for a, b in zip(sends0, srv.sends()))
+    steps, idle_s = (b - a for a, b in zip(eng0, srv.engine_counters()))
     recs = records_from_profile(prof) if prof.exists() else []
     (args.out_dir / f"pa-{label.replace(' ', '_')}-{wl}-{sampling}-{c}.txt").write_text(" ".join(cmd) + "\n" + out)
     # the stub's cost per response: the Triton path's suspect at high concurrency
-    extra = {"send_us": send_s / sent * 1e6 if sent > 0 else None, "sends_per_s": sent / (t1 - t0)}
+    # and the engine's pace: steps a second, and how long the GPU waited between two of them
+    extra = {"send_us": send_s / sent * 1e6 if sent > 0 else None, "sends_per_s": sent / (t1 - t0),
+             "steps_per_s": steps / (t1 - t0), "idle_us_per_step": idle_s / steps * 1e6 if steps > 0 else None}
     if rc != 0 or not recs:
         extra["perf_analyzer_rc"] = rc
         extra["perf_analyzer_tail"] = out[-800:]
@@ -686,8 +694,9 @@ def markdown(rows: list[dict], header: str) -> str:
     lines = [header, "",
              "| workload | sampling | concurrency | path | requests | errors | output tok/s | x steady tok/s | "
              "TTFT ms p50 | p99 | TPOT ms p50 | p99 | TPOT p50 x in-process | TPOT p50 x steady step | "
-             "GPU busy | responses/request | stub send µs/response | stub sends/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GPU busy | responses/request | stub send µs/response | stub sends/s | engine steps/s | "
+             "GPU idle µs/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     loop_rows = [r for r in rows if r["workload"] != "burst"]
     wl_order = {"fixed": 0, "mixed": 1}
     for r in sorted(loop_rows, key=lambda r: (wl_order.get(r["workload"], 9), r["sampling"], r["concurrency"],
@@ -703,7 +712,8 @@ def markdown(rows: list[dict], header: str) -> str:
                      f"{_f(r['ttft_ms_p99'], '.1f')} | {_f(r['tpot_ms_p50'], '.3f')} | {_f(r['tpot_ms_p99'], '.3f')} | "
                      f"{_f(x_ip, '.2f')} | {_f(x_st, '.2f')} | {_f(r['gpu_busy'], '.2f')} | "
                      f"{r['responses_per_req']:.1f} | {_f(r.get('send_us'), '.0f')} | "
-                     f"{_f(r.get('sends_per_s'), '.0f')} |")
+                     f"{_f(r.get('sends_per_s'), '.0f')} | {_f(r.get('steps_per_s'), '.0f')} | "
+                     f"{_f(r.get('idle_us_per_step'), '.0f')} |")
     burst = [r for r in rows if r["workload"] == "burst"]
     if burst:
         syncs = {r["path"].rsplit(", async handoff", 1)[0]: r for r in burst if r["path"].endswith("off")}
