@@ -98,6 +98,17 @@ def _reader_main(conn: Connection, cmds: "queue.SimpleQueue[object]") -> None:
             cmds.put(cmd)
 
 
+def _host_threads(config) -> None:
+    """A CUDA engine's host work is bookkeeping on small tensors: torch's intra-op thread pool
+    (one thread a core) only adds wake-ups to each parallel region. On the H200 box (16 cores)
+    at 256 streams with one thread the core ran 369 steps/s against 281 with spinning workers
+    and ~330 with sleeping ones (bench/RESULTS.md). A CPU engine keeps the pool (its matmuls
+    run there). The user's OMP_NUM_THREADS wins."""
+    if config.device == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+        torch.set_num_threads(1)
+
+
 def serve(conn: Connection) -> int:
     """Build the engine from the START message, then run the loop until stop. Returns the exit code."""
     from .engine import LLMEngine
@@ -106,6 +117,7 @@ def serve(conn: Connection) -> int:
 
     kind, config, fault_after_steps = conn.recv()[0]  # a command list, as every message
     assert kind == wire.START, kind
+    _host_threads(config)
     try:
         eng = LLMEngine(config)
         if fault_after_steps > 0:

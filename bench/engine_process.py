@@ -92,6 +92,8 @@ def run(engine_cls, cfg, conc: int, total: int, prompt_len: int, output_len: int
         core = (_cpu_of(eng.pid) - core0) if hasattr(eng, "pid") else None
         s1 = eng.stats()
         steps = s1.sync_steps_total + s1.async_steps_total - steps0
+        in_step = s1.step_time_s - s0.step_time_s
+        waiting = s1.wait_time_s - s0.wait_time_s
     finally:
         eng.shutdown()
     tpots = [(last[r] - first[r]) / (ntok[r] - 1) for r in ntok if ntok[r] > 1]
@@ -99,6 +101,7 @@ def run(engine_cls, cfg, conc: int, total: int, prompt_len: int, output_len: int
     return {"tok_s": state["tokens"] / wall, "tpot_ms": 1e3 * statistics.median(tpots),
             "ttft_ms": 1e3 * statistics.median(ttfts),
             "steps_s": steps / wall, "cpu_ms_step": 1e3 * cpu / max(steps, 1),
+            "in_step_ms": 1e3 * in_step / max(steps, 1), "wait_ms": 1e3 * waiting / max(steps, 1),
             "core_cpu_ms_step": None if core is None else 1e3 * core / max(steps, 1)}
 
 
@@ -115,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sender-us", type=float, default=300.0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the step's token budget")
     ap.add_argument("--delivery-threads", default="1", help="comma list: threads running the callbacks")
+    ap.add_argument("--engines", default="inproc,process", help="comma list of inproc, process")
     a = ap.parse_args(argv)
     from backend_lib import AsyncEngine, EngineConfig, EngineProcessClient
     model, load_format = a.model, "safetensors"
@@ -130,15 +134,18 @@ def main(argv=None) -> int:
     print(f"model {model} on {a.device}; sender holds the GIL {a.sender_us:g} us per callback; "
           f"prompt {a.prompt_len}, output {a.output_len}, {a.requests_per_stream} requests per stream")
     print("| engine | C | delivery threads | output tok/s | TTFT p50 ms | TPOT p50 ms | steps/s | "
-          "this process CPU ms/step | core CPU ms/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "engine thread in step() ms/step | of which waiting on the GPU | this process CPU ms/step | "
+          "core CPU ms/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    engines = {"inproc": ("in-process AsyncEngine", AsyncEngine), "process": ("engine process", EngineProcessClient)}
     for c in concs:
         for dt in [int(x) for x in a.delivery_threads.split(",")]:
-            for name, cls in (("in-process AsyncEngine", AsyncEngine), ("engine process", EngineProcessClient)):
+            for name, cls in (engines[e] for e in a.engines.split(",")):
                 r = run(cls, cfg, c, c * a.requests_per_stream, a.prompt_len, a.output_len, a.sender_us, dt)
                 core = "-" if r["core_cpu_ms_step"] is None else f"{r['core_cpu_ms_step']:.2f}"
                 print(f"| {name} | {c} | {dt} | {r['tok_s']:.0f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | "
-                      f"{r['steps_s']:.0f} | {r['cpu_ms_step']:.2f} | {core} |", flush=True)
+                      f"{r['steps_s']:.0f} | {r['in_step_ms']:.2f} | {r['wait_ms']:.2f} | {r['cpu_ms_step']:.2f} | "
+                      f"{core} |", flush=True)
     return 0
 
 
