@@ -387,12 +387,20 @@ def run_mixed_burst(args, params, vocab, busy: GpuBusy, report: "Report") -> Non
 
 # ---- Triton --------------------------------------------------------------------------------------
 
+# A variant's pseudo-parameter: the llm model's dynamic_batching block with this queue delay (µs).
+DYNAMIC_BATCHING = "_dynamic_batching_delay_us"
+
+
 def _copy_model(root: Path, model: str, params: dict[str, str]) -> None:
     """root/model: model_repository/model whose parameters are `params` (others as shipped)."""
     dst = root / model
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(REPO_ROOT / "model_repository" / model, dst, ignore=shutil.ignore_patterns("__pycache__"))
     cfg = (dst / "config.pbtxt").read_text()
+    params = dict(params)
+    delay_us = params.pop(DYNAMIC_BATCHING, None)
+    if delay_us is not None:  # Triton's scheduler hands execute() every request queued meanwhile
+        cfg += f"dynamic_batching {{ max_queue_delay_microseconds: {int(delay_us)} }}\n"
     for k, v in params.items():
         line = f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}'
         pat = re.compile(r'^parameters \{ key: "' + re.escape(k) + r'" .*$', re.M)
@@ -472,6 +480,12 @@ class TritonServer:
     def sends(self) -> tuple[float, float]:
         """The llm stub's responses sent and seconds spent in send() so far."""
         return self.metric_sum("llm_responses_sent_total"), self.metric_sum("llm_response_send_seconds_total")
+
+    def execute_counters(self) -> tuple[float, float, float]:
+        """llm's requests so far, and Triton's queue and execute() time for them (µs)."""
+        return (self.metric_sum("nv_inference_request_success") + self.metric_sum("nv_inference_request_failure"),
+                self.metric_sum("nv_inference_queue_duration_us"),
+                self.metric_sum("nv_inference_compute_infer_duration_us"))
 
     def engine_counters(self) -> tuple[float, float]:
         """The engine's steps so far and the GPU idle time between its decode steps (s)."""
@@ -582,7 +596,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
            "--input-data", str(data), "--concurrency-range", str(c), "--request-count", str(n),
            "--warmup-request-count", str(warm), "--measurement-interval", "600000",
            "--profile-export-file", str(prof)]
-    fail0, sends0, eng0 = srv.failures(), srv.sends(), srv.engine_counters()
+    fail0, sends0, eng0, exe0 = srv.failures(), srv.sends(), srv.engine_counters(), srv.execute_counters()
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
@@ -595,12 +609,15 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     time.sleep(0.5)  # the llm model exports its send totals with its stats, every 200 ms
     sent, send_s = (b - a for a, b in zip(sends0, srv.sends()))
     steps, idle_s = (b - a for a, b in zip(eng0, srv.engine_counters()))
+    reqs, queue_us, exec_us = (b - a for a, b in zip(exe0, srv.execute_counters()))
     recs = records_from_profile(prof) if prof.exists() else []
     (args.out_dir / f"pa-{label.replace(' ', '_')}-{wl}-{sampling}-{c}.txt").write_text(" ".join(cmd) + "\n" + out)
     # the stub's cost per response: the Triton path's suspect at high concurrency
     # and the engine's pace: steps a second, and how long the GPU waited between two of them
     extra = {"send_us": send_s / sent * 1e6 if sent > 0 else None, "sends_per_s": sent / (t1 - t0),
-             "steps_per_s": steps / (t1 - t0), "idle_us_per_step": idle_s / steps * 1e6 if steps > 0 else None}
+             "steps_per_s": steps / (t1 - t0), "idle_us_per_step": idle_s / steps * 1e6 if steps > 0 else None,
+             # and Triton's side of each request: waiting for execute(), and execute() itself
+             "queue_us": queue_us / reqs if reqs > 0 else None, "exec_us": exec_us / reqs if reqs > 0 else None}
     if rc != 0 or not recs:
         extra["perf_analyzer_rc"] = rc
         extra["perf_analyzer_tail"] = out[-800:]
@@ -695,8 +712,8 @@ def markdown(rows: list[dict], header: str) -> str:
              "| workload | sampling | concurrency | path | requests | errors | output tok/s | x steady tok/s | "
              "TTFT ms p50 | p99 | TPOT ms p50 | p99 | TPOT p50 x in-process | TPOT p50 x steady step | "
              "GPU busy | responses/request | stub send µs/response | stub sends/s | engine steps/s | "
-             "GPU idle µs/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GPU idle µs/step | Triton queue µs/request | execute µs/request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     loop_rows = [r for r in rows if r["workload"] != "burst"]
     wl_order = {"fixed": 0, "mixed": 1}
     for r in sorted(loop_rows, key=lambda r: (wl_order.get(r["workload"], 9), r["sampling"], r["concurrency"],
@@ -713,7 +730,8 @@ def markdown(rows: list[dict], header: str) -> str:
                      f"{_f(x_ip, '.2f')} | {_f(x_st, '.2f')} | {_f(r['gpu_busy'], '.2f')} | "
                      f"{r['responses_per_req']:.1f} | {_f(r.get('send_us'), '.0f')} | "
                      f"{_f(r.get('sends_per_s'), '.0f')} | {_f(r.get('steps_per_s'), '.0f')} | "
-                     f"{_f(r.get('idle_us_per_step'), '.0f')} |")
+                     f"{_f(r.get('idle_us_per_step'), '.0f')} | {_f(r.get('queue_us'), '.0f')} | "
+                     f"{_f(r.get('exec_us'), '.0f')} |")
     burst = [r for r in rows if r["workload"] == "burst"]
     if burst:
         syncs = {r["path"].rsplit(", async handoff", 1)[0]: r for r in burst if r["path"].endswith("off")}
@@ -762,7 +780,8 @@ def parse_args(argv=None):
     ap.add_argument("--set", action="append", help="KEY=VALUE engine parameter override (repeatable)")
     ap.add_argument("--variant", action="append", type=_variant, dest="variants",
                     help="NAME[:k=v,...]: one Triton server per variant with these llm parameters "
-                         "(e.g. 'coalesce-off:stream_coalesce=off'); default one, as configured")
+                         "(e.g. 'coalesce-off:stream_coalesce=off'; _dynamic_batching_delay_us=N adds llm's "
+                         "dynamic_batching block); default one, as configured")
     ap.add_argument("--burst-mixed-graphs", type=lambda s: [x for x in s.split(",") if x], default=None,
                     help="burst part: run it for each of these cuda_graph_mixed values (e.g. off,on; "
                          "default: as configured)")
