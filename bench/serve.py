@@ -93,15 +93,18 @@ def shipped_parameters() -> dict[str, str]:
 
 def engine_params(args, model_path: str) -> dict[str, str]:
     """The engine configuration of every part of the run, as llm model parameters (strings):
-    the shipped config (engine "shipped") or its large-batch variant (engine "large": 256
-    sequences, 8192-token budget, graphs up to 256), sized so that the run's longest request
+    the shipped config (engine "shipped") or its large-batch variant (engine "large": 512
+    sequences, 8192-token budget, graphs up to 512; vLLM's defaults on a GPU of 70 GiB or more
+    are 1024 sequences, 8192 tokens, graphs up to 512), sized so that the run's longest request
     fits (max_model_len) and every running sequence has its blocks (num_kv_blocks)."""
     # engine fields, plus the one glue parameter that acts on the process and so also on the
     # in-process runs (new_engine)
     p = {k: v for k, v in shipped_parameters().items()
          if k not in _glue_parameter_names() or k == "gil_switch_interval_ms"}
     if args.engine == "large":
-        p.update(max_num_seqs="256", max_num_batched_tokens="8192", cuda_graph_max_batch="256")
+        # 512 sequences hold the whole 512-request burst at once (with 256 the burst's second
+        # half waited for the first: 58.6k against 70.0k output tok/s on the H200, RESULTS.md)
+        p.update(max_num_seqs="512", max_num_batched_tokens="8192", cuda_graph_max_batch="512")
     bs = int(p["block_size"])
     longest = max(args.prompt_len + args.output_len, args.mixed_prompt[1] + args.mixed_output[1])
     max_len = (longest + bs) // bs * bs
@@ -110,8 +113,9 @@ def engine_params(args, model_path: str) -> dict[str, str]:
     for kv in args.set or []:
         k, v = kv.split("=", 1)
         p[k] = v
-    if p.get("num_kv_blocks", "0") == "0":
-        p["num_kv_blocks"] = str(int(p["max_num_seqs"]) * (int(p["max_model_len"]) // bs) + 16)
+    if p.get("num_kv_blocks", "0") == "0":  # for the most sequences this run can have at once
+        seqs = min(int(p["max_num_seqs"]), max(list(args.concurrency) + [args.mixed_requests]))
+        p["num_kv_blocks"] = str(seqs * (int(p["max_model_len"]) // bs) + 16)
     return p
 
 
@@ -775,7 +779,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda with --preset, else cpu)")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--engine", choices=("shipped", "large"), default=None,
-                    help="shipped: the llm model's config.pbtxt; large: 256 sequences, 8192-token budget "
+                    help="shipped: the llm model's config.pbtxt; large: 512 sequences, 8192-token budget "
                          "(default: large on cuda, shipped on cpu)")
     ap.add_argument("--set", action="append", help="KEY=VALUE engine parameter override (repeatable)")
     ap.add_argument("--variant", action="append", type=_variant, dest="variants",
