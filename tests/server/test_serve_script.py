@@ -70,7 +70,7 @@ def test_make_serve_runs_server_and_openai_frontend(tmp_path):
         assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
         text = log()
         assert "llm: parameters from LLM_PARAM_* environment variables: {'max_num_seqs': '2'}" in text
-        started = next(l for l in text.splitlines() if "[llm] starting engine (engine process):" in l)
+        started = next(l for l in text.splitlines() if "[llm] starting engine (engine process, 1 delivery thread(s)):" in l)
         assert '\\"max_num_seqs\\": 2,' in started or '"max_num_seqs": 2,' in started, started
         if not launch.cuda_driver_present():
             assert launch.CPU_NOTE in text  # tritonserver's CUDA error lines are explained

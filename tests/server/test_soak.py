@@ -341,6 +341,29 @@ def _assert_drained(server) -> None:
 
 # ---- the soak ------------------------------------------------------------------------------
 def test_soak_streams_cancels_stops(server, refs):
+    _soak(server, refs, N_REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def server_with_delivery_threads(tmp_path_factory):
+    from .conftest import SharedServer, _checked
+    shared = SharedServer(tmp_path_factory.mktemp("triton-delivery"), extra_env={"LLM_PARAM_delivery_threads": "3"})
+    try:
+        yield from _checked(shared)
+    finally:
+        shared.srv.stop()
+    bad = [l for l in shared.srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
+    assert not bad, shared.srv.log_tail(120)
+    assert "3 delivery thread(s)" in shared.srv.log_path.read_text(errors="replace")
+
+
+def test_soak_with_three_delivery_threads(server_with_delivery_threads, refs):
+    """llm's responses built and sent on three threads at once (delivery_threads=3; send()
+    runs concurrently into tritonserver): the same soak, a third of its size."""
+    _soak(server_with_delivery_threads, refs, N_REQUESTS // 3)
+
+
+def _soak(server, refs, n_requests: int) -> None:
     assert all(r.stop_str for r in refs[:2]) and any(r.stop_word for r in refs) \
         and any(r.stop_token for r in refs), "the greedy outputs give no stop strings to test with"
     assert wait_for(lambda: _ready(server), 30)
@@ -357,7 +380,7 @@ def test_soak_streams_cancels_stops(server, refs):
     rss_before = {m: _rss_mb(p) for m, p in pids.items()}
     threads_before = {m: _threads(pids[m]) for m in BLS_ROUTES}
 
-    plans = _plans(refs, N_REQUESTS, rng)
+    plans = _plans(refs, n_requests, rng)
     t0 = time.monotonic()
     outcomes = _run_all(server, plans)
     soak_s = time.monotonic() - t0
@@ -406,7 +429,7 @@ def test_soak_streams_cancels_stops(server, refs):
     assert not errors, [(o.plan.n, o.plan.route, o.errors) for o in errors[:5]]
     assert not bad_finals, [(o.plan.n, o.plan.route, o.finals) for o in bad_finals[:5]]
     assert not wrong, wrong[:5]
-    assert len(cancels) >= N_REQUESTS * P_CANCEL / 2 and stop_hits >= N_REQUESTS * P_STOP / 2, figures
+    assert len(cancels) >= n_requests * P_CANCEL / 2 and stop_hits >= n_requests * P_STOP / 2, figures
     assert after == before, (before, after)
     grown = {m: rss_after[m] - rss_before[m] for m in pids}
     assert all(g < RSS_GROWTH_BOUND_MB for g in grown.values()), grown
