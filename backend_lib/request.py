@@ -127,10 +127,11 @@ def _is_number(v: object) -> bool:
 _request_counter = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """Engine-side state of one request. The scheduler owns the counters; the runner never
-    mutates them.
+    mutates them. Equality is identity (eq=False): a request is one entity, and the scheduler's
+    list removals compared every field of every request before it (~60 µs at 256 rows).
 
     num_computed_tokens counts tokens whose KV has been *scheduled* (steps in flight
     included). num_output_placeholders counts decode tokens sampled on the device whose

@@ -211,7 +211,9 @@ class Scheduler:
         if out.num_preempted == 0:
             if self.waiting:  # only an admission can use what is committed now
                 for req in self.running:
-                    self._commit_blocks(req)
+                    # inline: only rows that completed a block since their last commit
+                    if req.num_computed_tokens // bs > req.num_committed_blocks:
+                        self._commit_blocks(req)
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 if req.num_output_placeholders > 0:

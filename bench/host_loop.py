@@ -191,13 +191,18 @@ def build_engine(args, submission: str = "inline", lookahead: int = 1):
 def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     from backend_lib import SamplingParams
     total_new = args.warmup + args.steps + 4
-    for i in range(batch):
+    sp = SamplingParams(max_tokens=total_new, temperature=0.0, ignore_eos=True)
+
+    def add(i: int) -> None:
         # Prompt lengths prompt_len .. prompt_len + 15: rows open new KV blocks on different steps.
         prompt = [(i * 131 + j * 7) % 700 + 10 for j in range(args.prompt_len + i % 16)]
         prompt[0] = 10 + (i % 600)  # distinct first token: no prefix-cache sharing between rows
         prompt[1] = 10 + (i // 600)
-        eng.add_request(f"b{batch}-{i}", prompt,
-                        SamplingParams(max_tokens=total_new, temperature=0.0, ignore_eos=True))
+        eng.add_request(f"b{batch}-{i}", prompt, sp)
+
+    for i in range(batch):
+        add(i)
+    admitted = batch
     first = 0
     while first < batch:
         first += sum(1 for o in eng.step() if o.num_output_tokens == 1 and o.new_token_ids)
@@ -220,6 +225,12 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     if prof:
         prof.enable()
     for _ in range(args.steps):
+        # --churn K: K requests leave and K new ones arrive before each step (a closed loop's
+        # turnover: their prefill chunks ride in the step, their rows are retired and reused)
+        for _ in range(min(args.churn, batch)):
+            eng.abort(f"b{batch}-{admitted - batch}")
+            add(admitted)
+            admitted += 1
         before = dict(timer.totals)
         st, wt, ct = eng._step_s, eng._wait_s, time.thread_time()
         eng.step()
@@ -380,6 +391,8 @@ def _forward_args(args) -> list[str]:
         a += ["--switch-interval-ms", str(args.switch_interval_ms)]
     if args.device_us:
         a += ["--device-us", str(args.device_us)]
+    if args.churn:
+        a += ["--churn", str(args.churn)]
     return a
 
 
@@ -396,6 +409,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--async-handoff", default="on", choices=("on", "off", "auto"),
                    help="async_token_handoff (on CPU, 'on' runs the overlapped loop with CPU stand-ins)")
+    p.add_argument("--churn", type=int, default=0,
+                   help="requests replaced before each timed step (aborted and admitted anew)")
     p.add_argument("--profile", type=int, default=0, help="cProfile the measured steps of this batch")
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--compare", default=None, metavar="DIR", help="also run with DIR/backend_lib (before)")
