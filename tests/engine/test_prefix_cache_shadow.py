@@ -187,3 +187,20 @@ def test_overshoot_kv_exists_and_is_never_cached():
         got += [t for o in sched.update(out, runner.execute(out)) for t in o.new_token_ids]
     assert sched.stats.prefix_cache_hit_tokens_total == (stop_pos + 1) // bs * bs
     assert got == reference(prompt_b, 6, ())
+
+
+def test_requests_compare_by_identity():
+    """A request is an entity: two built alike are not equal, and the scheduler's removals at
+    finish find the very object by identity (a field-by-field dataclass equality made each
+    removal compare every request queued before it)."""
+    sp = SamplingParams(max_tokens=2, temperature=0.0)
+    a, b = Request("r", [1, 2, 3], sp, arrival=0), Request("r", [1, 2, 3], sp, arrival=0)
+    assert a == a and a != b
+    pool = BlockPool(40, 4, enable_caching=False)
+    sched = Scheduler(4, 64, 120, True, pool)
+    reqs = [Request(f"q{i}", [5, 6, 7], sp) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    sched.schedule()
+    sched.abort("q1")
+    assert [r.request_id for r in sched.running] == ["q0", "q2"]
