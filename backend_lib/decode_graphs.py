@@ -15,6 +15,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from .handoff import host_tensor
+
 logger = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -167,7 +169,7 @@ class DecodeGraphs:
             # Only positions changed since the last replay, and the program advanced them.
             self.steps_reused += 1
         else:
-            meta = torch.tensor(DecodeMeta.host_rows(rows, bucket - len(rows)), dtype=torch.int64)
+            meta = host_tensor(DecodeMeta.host_rows(rows, bucket - len(rows)))
             self.steps_uploaded += 1
         # Reuse is sound only while every row's input id comes from the relay: a host-known
         # id saved here (a recomputed request's 1-token final prefill chunk) would be fed

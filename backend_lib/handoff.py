@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .layers.logprobs import TokenLogprobs, unpack_logprobs
@@ -142,7 +143,7 @@ class HostStaging:
         self._next = 0
 
     def upload(self, rows: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return self.upload_tensor(torch.tensor(rows, dtype=dtype))
+        return self.upload_tensor(host_tensor(rows, dtype))
 
     def upload_tensor(self, host: torch.Tensor) -> torch.Tensor:
         """A host (pageable) tensor -> device, through the ring; on CPU `host` itself."""
@@ -164,3 +165,14 @@ class HostStaging:
         ev.record()
         self._events[i] = ev
         return dev
+
+
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+
+
+def host_tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype) for (nested, rectangular) lists of Python numbers,
+    through numpy: torch.tensor walks a list element by element, ~4x slower (5.6k ints: 400
+    against 90 µs on the CPU box), and the step metadata is built this way every time the
+    batch changes."""
+    return torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))

@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .decode_graphs import GRAPH_VARIANTS, CapturedGraph, capture_graph, graph_variant
+from .handoff import host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class MixedGraphs:
             self._eager(f"no bucket holds {num_rows} rows of {num_tokens} tokens (buckets "
                         f"up to {self.buckets[-1]})", "no-bucket")
             return None
-        meta = torch.tensor(MixedMeta.host_flat(tok, row, cu, b[0], b[1], self.scratch_slot), dtype=torch.int64)
+        meta = host_tensor(MixedMeta.host_flat(tok, row, cu, b[0], b[1], self.scratch_slot))
         return MixedGraphPlan((b[0], b[1], graph_variant(greedy, masks, logprobs)), meta)
 
     def replay(self, plan: MixedGraphPlan, upload: Callable[[torch.Tensor], torch.Tensor]

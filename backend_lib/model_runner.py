@@ -24,7 +24,7 @@ import torch
 from . import envs
 from .config import AsyncDecision, EngineConfig
 from .decode_graphs import DecodeGraphs, DecodeMeta, graph_buckets
-from .handoff import HostStaging, StepHandle, TokenHandoff
+from .handoff import HostStaging, StepHandle, TokenHandoff, host_tensor
 from .mixed_graphs import MixedGraphs, MixedMeta, mixed_buckets, parse_token_buckets
 from .layers.attention import AttentionMetadata
 from .layers import skinny_gemm
@@ -156,10 +156,10 @@ class ModelRunner:
         up = self.pack_table_updates(sched, eos_ids)
         if not (up.ints or up.history[0] or up.growth[0]):
             return None
-        return TablePlan(torch.tensor(up.ints, dtype=torch.int64) if up.ints else None,
-                         torch.tensor(up.floats, dtype=torch.float32) if up.ints else None,
-                         torch.tensor(up.history, dtype=torch.int64) if up.history[0] else None,
-                         torch.tensor(up.growth, dtype=torch.int64) if up.growth[0] else None)
+        return TablePlan(host_tensor(up.ints) if up.ints else None,
+                         host_tensor(up.floats, torch.float32) if up.ints else None,
+                         host_tensor(up.history) if up.history[0] else None,
+                         host_tensor(up.growth) if up.growth[0] else None)
 
     def apply_tables(self, t: TablePlan) -> None:
         """Device side: each update is one async H2D copy (pinned staging), then a scatter."""
@@ -272,7 +272,7 @@ class ModelRunner:
             graphs.invalidate()
         if sched.is_decode_only:
             # Decode larger than every graph bucket (or no graphs): the same program, eagerly.
-            meta = torch.tensor(DecodeMeta.host_rows(rows, 0), dtype=torch.int64)
+            meta = host_tensor(DecodeMeta.host_rows(rows, 0))
             return StepPlan(len(rows), greedy, masks, logprobs, tables, StepProgram.DECODE_EAGER, decode_meta=meta)
         tok, row, cu, seq_lens, q_lens = self.pack_mixed(sched)
         mixed = self.mixed_graphs
@@ -394,25 +394,32 @@ class ModelRunner:
 
     def pack_mixed(self, sched: SchedulerOutput):
         """Host side of a mixed step: tok [ids, relay_src, pos, tok_slot] (4 x T), row
-        [slot, seq_len, last_idx, samples] (4 x S), cu_seqlens_q, seq_lens, q_lens."""
+        [slot, seq_len, last_idx, samples] (4 x S), cu_seqlens_q, seq_lens, q_lens. Runs for
+        every row of every step that carries a prefill chunk: one-token rows (the decodes,
+        most of them) take a branch of single appends."""
         ids, relay_src, pos, tok_slot = [], [], [], []
         row_slot, seq_lens, q_lens, last_idx, samples = [], [], [], [], []
+        cu = [0]
         t = 0
-        for r in sched.rows:
-            slot, n = r.request.slot, r.num_new_tokens
-            ids.extend(r.host_token_ids)
-            relay_src.extend(([slot] + [-1] * (n - 1)) if r.first_from_relay else [-1] * n)
-            pos.extend(range(r.start_pos, r.start_pos + n))
-            tok_slot.extend([slot] * n)
+        for request, start, n, sampled, host_ids, from_relay in sched.rows:
+            slot = request.slot
+            if n == 1:
+                ids.append(host_ids[0])
+                relay_src.append(slot if from_relay else -1)
+                pos.append(start)
+                tok_slot.append(slot)
+            else:
+                ids.extend(host_ids)
+                relay_src.extend(([slot] + [-1] * (n - 1)) if from_relay else [-1] * n)
+                pos.extend(range(start, start + n))
+                tok_slot.extend([slot] * n)
             row_slot.append(slot)
-            seq_lens.append(r.start_pos + n)
+            seq_lens.append(start + n)
             q_lens.append(n)
             t += n
+            cu.append(t)
             last_idx.append(t - 1)
-            samples.append(1 if r.samples else 0)
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
+            samples.append(1 if sampled else 0)
         return [ids, relay_src, pos, tok_slot], [row_slot, seq_lens, last_idx, samples], cu, seq_lens, q_lens
 
     def gather_input_ids(self, host_ids: torch.Tensor, relay_src: torch.Tensor) -> torch.Tensor:

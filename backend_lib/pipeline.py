@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from . import envs
 from .config import AsyncDecision, EngineConfig
-from .handoff import StepHandle, TokenHandoff, _DoneEvent
+from .handoff import StepHandle, TokenHandoff, _DoneEvent, host_tensor
 from .interpreter import python_executable
 from .layers.logprobs import packed_width
 from .model_runner import ADMISSION_FLOATS, ModelRunner
@@ -138,7 +138,7 @@ def pack_step(runner: ModelRunner, sched: SchedulerOutput, eos_ids: tuple[int, .
     flat.extend(cu)
     # pageable: gloo sends it from host memory; the device copy goes through runner.staging
     # (a pinned ring: no cudaHostAlloc per step, see HostStaging)
-    payload = torch.tensor(flat, dtype=torch.int64)
+    payload = host_tensor(flat)
     n_samples = sum(row[3])
     header = [0] * HEADER_LEN
     header[_OP], header[_STEP], header[_S], header[_T] = OP_STEP, sched.step_id, len(row[0]), len(tok[0])

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .decode_graphs import DecodeGraphPlan
+from .handoff import host_tensor
 from .mixed_graphs import MixedGraphPlan
 
 
@@ -60,8 +61,7 @@ class MixedPlan:
         """(tok [4, T], row [4, S], cu [S + 1]) int64 host tensors of the eager step (built
         on first use: a graphed step needs them only when its graph's capture failed)."""
         if self.eager is None:
-            self.eager = (torch.tensor(self.tok, dtype=torch.int64), torch.tensor(self.row, dtype=torch.int64),
-                          torch.tensor(self.cu, dtype=torch.int64))
+            self.eager = (host_tensor(self.tok), host_tensor(self.row), host_tensor(self.cu))
         return self.eager
 
 
