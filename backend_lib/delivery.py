@@ -119,8 +119,6 @@ class Delivery:
     waits and ends the helpers."""
 
     def __init__(self, deliver: Callable[[RequestOutput], None], threads: int = 1, name: str = "delivery"):
-        if threads < 1:
-            raise ValueError(f"delivery threads must be at least 1, not {threads}")
         self._deliver = deliver
         self._queue = DeliveryQueue()
         self._cond = threading.Condition()

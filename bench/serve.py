@@ -473,28 +473,17 @@ class TritonServer:
 
     def metric_sum(self, name: str, models: tuple[str, ...] = ("llm",)) -> float:
         """A metric's value summed over the lines of these models (nan if unreadable)."""
+        return self.metric_sums((name,), models)[name]
+
+    def metric_sums(self, names: tuple[str, ...], models: tuple[str, ...] = ("llm",)) -> dict[str, float]:
+        """metric_sum of each name, from one read of the metrics endpoint."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as r:
                 text = r.read().decode()
         except Exception:  # noqa: BLE001
-            return float("nan")
-        return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                   if l.startswith(name + "{") and any(f'model="{m}"' in l for m in models))
-
-    def sends(self) -> tuple[float, float]:
-        """The llm stub's responses sent and seconds spent in send() so far."""
-        return self.metric_sum("llm_responses_sent_total"), self.metric_sum("llm_response_send_seconds_total")
-
-    def execute_counters(self) -> tuple[float, float, float]:
-        """llm's requests so far, and Triton's queue and execute() time for them (µs)."""
-        return (self.metric_sum("nv_inference_request_success") + self.metric_sum("nv_inference_request_failure"),
-                self.metric_sum("nv_inference_queue_duration_us"),
-                self.metric_sum("nv_inference_compute_infer_duration_us"))
-
-    def engine_counters(self) -> tuple[float, float]:
-        """The engine's steps so far and the GPU idle time between its decode steps (s)."""
-        return (self.metric_sum("llm_async_steps_total") + self.metric_sum("llm_sync_steps_total"),
-                self.metric_sum("llm_gpu_idle_gap_seconds_sum"))
+            return {name: float("nan") for name in names}
+        lines = [l for l in text.splitlines() if any(f'model="{m}"' in l for m in models)]
+        return {name: sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(name + "{")) for name in names}
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -591,6 +580,14 @@ def run_triton(args, params, vocab, busy: GpuBusy, work: Path, report: "Report")
             report.write()
 
 
+# llm's counters a perf_analyzer point reads before and after: Triton's request counts and
+# queue / execute() time, the stub's sends, the engine's steps and GPU idle time.
+POINT_COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_queue_duration_us",
+                  "nv_inference_compute_infer_duration_us", "llm_responses_sent_total",
+                  "llm_response_send_seconds_total", "llm_async_steps_total", "llm_sync_steps_total",
+                  "llm_gpu_idle_gap_seconds_sum")
+
+
 def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy: GpuBusy, work: Path) -> dict:
     n = max(args.min_requests, c * args.rounds)
     warm = max(c, args.warmup)
@@ -600,7 +597,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
            "--input-data", str(data), "--concurrency-range", str(c), "--request-count", str(n),
            "--warmup-request-count", str(warm), "--measurement-interval", "600000",
            "--profile-export-file", str(prof)]
-    fail0, sends0, eng0, exe0 = srv.failures(), srv.sends(), srv.engine_counters(), srv.execute_counters()
+    before = srv.metric_sums(POINT_COUNTERS)
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
@@ -609,11 +606,14 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
         rc, out = 124, f"perf_analyzer timed out after {args.point_timeout} s\n{e.stdout or ''}"
     t1 = time.perf_counter()
     gpu = busy.mean(t0, t1)
-    failures = srv.failures() - fail0
     time.sleep(0.5)  # the llm model exports its send totals with its stats, every 200 ms
-    sent, send_s = (b - a for a, b in zip(sends0, srv.sends()))
-    steps, idle_s = (b - a for a, b in zip(eng0, srv.engine_counters()))
-    reqs, queue_us, exec_us = (b - a for a, b in zip(exe0, srv.execute_counters()))
+    after = srv.metric_sums(POINT_COUNTERS)
+    d = {k: after[k] - before[k] for k in POINT_COUNTERS}
+    failures = d["nv_inference_request_failure"]
+    sent, send_s = d["llm_responses_sent_total"], d["llm_response_send_seconds_total"]
+    steps, idle_s = d["llm_async_steps_total"] + d["llm_sync_steps_total"], d["llm_gpu_idle_gap_seconds_sum"]
+    reqs = d["nv_inference_request_success"] + failures
+    queue_us, exec_us = d["nv_inference_queue_duration_us"], d["nv_inference_compute_infer_duration_us"]
     recs = records_from_profile(prof) if prof.exists() else []
     (args.out_dir / f"pa-{label.replace(' ', '_')}-{wl}-{sampling}-{c}.txt").write_text(" ".join(cmd) + "\n" + out)
     # the stub's cost per response: the Triton path's suspect at high concurrency
