@@ -9,6 +9,8 @@ waiting on the device, at batch 1/64/256 of steady greedy decode; one table.
     # who launches the steps (EngineConfig.step_submission) and how far ahead (step_lookahead),
     # one table per configuration + a comparison; --device-us: an emulated device step time
     python -m bench.host_loop --submission inline,thread --lookahead 1,2 --device-us 100
+    # requests coming and going: K aborted and K admitted before each timed step
+    python -m bench.host_loop --batches 256 --churn 3 --compare DIR
 
 What is measured: B requests (distinct prompts of --prompt-len + 0..15 tokens, greedy, ignore_eos) are admitted and
 prefilled, a few decode steps run as warm-up, then `--steps` steady decode steps are timed.
