@@ -16,7 +16,9 @@ What runs, in this order (one engine configuration for every part, `engine_param
      installed (not on the lent GPU) and the model has a tokenizer, the first server also holds
      `ensemble` (+ pre/postprocessing) and genai-perf profiles it (--genai-points).
   2. In-process: the same closed loop on AsyncEngine with the output callback (the thread
-     Triton's sender runs on), same requests, same warm-up.
+     Triton's sender runs on), same requests, same warm-up. Part `inproc-process` (not in the
+     default --parts): the same loop on EngineProcessClient, the engine the llm model runs (its
+     core in its own process), without Triton: where Triton's cost and the core's part.
   3. Steady decode, same engine: the fixed workload's batch of c requests submitted at once;
      the step time is measured over the window where all c are decoding (from the last first
      token to the first finish): window / (tokens each request got in it).
@@ -287,8 +289,11 @@ def steady_step(recs: list[Record]) -> tuple[Optional[float], int]:
     return ((t1 - t0) / steps * 1e3 if steps > 0 else None), steps
 
 
-def new_engine(params: dict[str, str], **overrides):
+def new_engine(params: dict[str, str], process: bool = False, **overrides):
+    """AsyncEngine, or with process=True the llm model's engine: EngineProcessClient (the core
+    in its own process), merging queued outputs as the llm model does."""
     from backend_lib import AsyncEngine, EngineConfig
+    from backend_lib.engine_client import EngineProcessClient
     cfg = EngineConfig.from_parameters(dict(params, **overrides))
     # the llm model's process-wide GIL switch interval, when the run sets one (--set), applies
     # here too, so that both paths run with the same one
@@ -299,6 +304,10 @@ def new_engine(params: dict[str, str], **overrides):
     else:
         sys.setswitchinterval(PYTHON_SWITCH_INTERVAL_S)
     t = time.perf_counter()
+    if process:
+        eng = EngineProcessClient(cfg, merge_queued_outputs=True)
+        log(f"engine process ready in {time.perf_counter() - t:.1f} s")
+        return eng
     eng = AsyncEngine(cfg)
     log(f"in-process engine ready in {time.perf_counter() - t:.1f} s "
         f"(async handoff {'on' if eng.engine.async_enabled else 'off'})")
@@ -321,10 +330,17 @@ def free_engine(eng) -> None:
         pass
 
 
-def run_inprocess(args, params, vocab, busy: GpuBusy, report: "Report") -> None:
-    if report.over_budget("in-process engine"):
+INPROC_LABEL = "in-process AsyncEngine"
+ENGINE_PROCESS_LABEL = "in-process EngineProcessClient"
+
+
+def run_inprocess(args, params, vocab, busy: GpuBusy, report: "Report", process: bool = False) -> None:
+    """The closed loop on AsyncEngine and steady decode; process=True: the closed loop on
+    EngineProcessClient (the llm model's engine, without Triton), no steady rows."""
+    label = ENGINE_PROCESS_LABEL if process else INPROC_LABEL
+    if report.over_budget(label):
         return
-    eng = new_engine(params)
+    eng = new_engine(params, process=process)
     try:
         for wl in args.workloads:
             reqs = workload(wl, args, vocab, args.distinct_requests)
@@ -337,8 +353,9 @@ def run_inprocess(args, params, vocab, busy: GpuBusy, report: "Report") -> None:
                     n = max(args.min_requests, c * args.rounds)
                     t0 = time.perf_counter()
                     recs = closed_loop(eng, reqs, sampling, c, n, tag, args.point_timeout)
-                    report.add(row_from("in-process AsyncEngine", wl, sampling, c, recs,
-                                        busy.mean(t0, time.perf_counter())))
+                    report.add(row_from(label, wl, sampling, c, recs, busy.mean(t0, time.perf_counter())))
+        if process:
+            return
         # steady decode of the same engine: batch c of the fixed workload, all at once
         reqs = workload("fixed", args, vocab, max(args.concurrency), seed=1)
         for sampling in args.samplings:
@@ -585,7 +602,8 @@ def run_triton(args, params, vocab, busy: GpuBusy, work: Path, report: "Report")
 POINT_COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_queue_duration_us",
                   "nv_inference_compute_infer_duration_us", "llm_responses_sent_total",
                   "llm_response_send_seconds_total", "llm_async_steps_total", "llm_sync_steps_total",
-                  "llm_gpu_idle_gap_seconds_sum")
+                  "llm_gpu_idle_gap_seconds_sum", "llm_step_seconds_total", "llm_step_gpu_wait_seconds_total",
+                  "llm_generation_tokens_total")
 
 
 def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy: GpuBusy, work: Path) -> dict:
@@ -622,6 +640,11 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
              "steps_per_s": steps / (t1 - t0), "idle_us_per_step": idle_s / steps * 1e6 if steps > 0 else None,
              # and Triton's side of each request: waiting for execute(), and execute() itself
              "queue_us": queue_us / reqs if reqs > 0 else None, "exec_us": exec_us / reqs if reqs > 0 else None}
+    # the engine thread's host work per step (its time in step() less its waits on the GPU), and
+    # the batch it ran (tokens of the requests finished in the window per step)
+    if steps > 0:
+        extra["host_us_per_step"] = (d["llm_step_seconds_total"] - d["llm_step_gpu_wait_seconds_total"]) / steps * 1e6
+        extra["tokens_per_step"] = d["llm_generation_tokens_total"] / steps
     if rc != 0 or not recs:
         extra["perf_analyzer_rc"] = rc
         extra["perf_analyzer_tail"] = out[-800:]
@@ -710,18 +733,18 @@ def markdown(rows: list[dict], header: str) -> str:
     """One table: per (workload, sampling, concurrency) the steady step, in-process, Triton
     rows; TPOT p50 against in-process, tok/s against steady decode at the same batch."""
     steady = {(r["sampling"], r["concurrency"]): r for r in rows if r["path"].startswith("steady")}
-    inproc = {(r["workload"], r["sampling"], r["concurrency"]): r for r in rows if r["path"] == "in-process AsyncEngine"}
-    order = {"steady decode (same engine)": 0, "in-process AsyncEngine": 1}
+    inproc = {(r["workload"], r["sampling"], r["concurrency"]): r for r in rows if r["path"] == INPROC_LABEL}
+    order = {"steady decode (same engine)": 0, INPROC_LABEL: 1, ENGINE_PROCESS_LABEL: 2}
     lines = [header, "",
              "| workload | sampling | concurrency | path | requests | errors | output tok/s | x steady tok/s | "
              "TTFT ms p50 | p99 | TPOT ms p50 | p99 | TPOT p50 x in-process | TPOT p50 x steady step | "
              "GPU busy | responses/request | stub send µs/response | stub sends/s | engine steps/s | "
-             "GPU idle µs/step | Triton queue µs/request | execute µs/request |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GPU idle µs/step | engine host µs/step | tokens/step | Triton queue µs/request | execute µs/request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     loop_rows = [r for r in rows if r["workload"] != "burst"]
     wl_order = {"fixed": 0, "mixed": 1}
     for r in sorted(loop_rows, key=lambda r: (wl_order.get(r["workload"], 9), r["sampling"], r["concurrency"],
-                                              order.get(r["path"], 2), r["path"])):
+                                              order.get(r["path"], 3), r["path"])):
         # steady decode runs the fixed shape: a reference for the fixed workload only
         st = steady.get((r["sampling"], r["concurrency"])) if r["workload"] == "fixed" else None
         ip = inproc.get((r["workload"], r["sampling"], r["concurrency"]))
@@ -734,7 +757,8 @@ def markdown(rows: list[dict], header: str) -> str:
                      f"{_f(x_ip, '.2f')} | {_f(x_st, '.2f')} | {_f(r['gpu_busy'], '.2f')} | "
                      f"{r['responses_per_req']:.1f} | {_f(r.get('send_us'), '.0f')} | "
                      f"{_f(r.get('sends_per_s'), '.0f')} | {_f(r.get('steps_per_s'), '.0f')} | "
-                     f"{_f(r.get('idle_us_per_step'), '.0f')} | {_f(r.get('queue_us'), '.0f')} | "
+                     f"{_f(r.get('idle_us_per_step'), '.0f')} | {_f(r.get('host_us_per_step'), '.0f')} | "
+                     f"{_f(r.get('tokens_per_step'), '.0f')} | {_f(r.get('queue_us'), '.0f')} | "
                      f"{_f(r.get('exec_us'), '.0f')} |")
     burst = [r for r in rows if r["workload"] == "burst"]
     if burst:
@@ -790,7 +814,8 @@ def parse_args(argv=None):
                     help="burst part: run it for each of these cuda_graph_mixed values (e.g. off,on; "
                          "default: as configured)")
     ap.add_argument("--parts", default="triton,genai,inproc,burst",
-                    help="comma list of triton, genai (genai-perf on the first server), inproc, burst")
+                    help="comma list of triton, genai (genai-perf on the first server), inproc, "
+                         "inproc-process (the closed loop on EngineProcessClient), burst")
     ap.add_argument("--concurrency", type=_int_list, default=None, help="default 1,16,64,256 (cpu: 1,4)")
     ap.add_argument("--workloads", default="fixed,mixed", help="fixed, mixed")
     ap.add_argument("--samplings", default="greedy,top_p", help="greedy, top_p")
@@ -940,6 +965,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     parts = [("triton", lambda: run_triton(a, params, vocab, busy, work, report)),
              ("inproc", lambda: run_inprocess(a, params, vocab, busy, report)),
+             ("inproc-process", lambda: run_inprocess(a, params, vocab, busy, report, process=True)),
              ("burst", lambda: run_mixed_burst(a, params, vocab, busy, report))]
     try:
         for part, run in parts:

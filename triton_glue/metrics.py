@@ -42,6 +42,8 @@ NAMES = {
     "vllm_kv_usage": "vllm:kv_cache_usage_perc",
     "vllm_preempt": "vllm:num_preemptions_total",
     "idle": "llm_gpu_idle_gap_seconds",
+    "step_s": "llm_step_seconds_total",
+    "step_wait_s": "llm_step_gpu_wait_seconds_total",
     "sent": "llm_responses_sent_total",
     "send_s": "llm_response_send_seconds_total",
 }
@@ -117,6 +119,12 @@ class EngineMetrics:
         self.vllm_preempt = metric(fam("vllm_preempt", MF.COUNTER, "Cumulative number of preemption from the engine."))
         self.idle_gap = metric(fam("idle", MF.HISTOGRAM, "GPU idle gap between consecutive decode steps (s)"),
                                buckets=IDLE_GAP_BUCKETS)
+        # The engine thread's pace: its time in step() and, of that, its waits on the device
+        # (the rest is host work: scheduling, packing, launching, stops and outputs).
+        self.step_seconds = metric(fam("step_s", MF.COUNTER, "Seconds the engine thread spent in step()"))
+        self.step_wait_seconds = metric(fam("step_wait_s", MF.COUNTER, "Of those, seconds it waited on the "
+                                                                       "device for a step's tokens"))
+        self._seconds_exported = (0.0, 0.0)
         # The stub's sends: counted in the sending thread, exported with the engine stats (a
         # metric update is itself a call to the server: one per send would double their cost).
         self.responses_sent = metric(fam("sent", MF.COUNTER, "Responses the llm model sent for requests in the engine"))
@@ -157,6 +165,12 @@ class EngineMetrics:
                 if key in self._vllm_alias:
                     self._vllm_alias[key].increment(delta)
                 self._last[key] = int(total)
+        step_s, wait_s = float(getattr(st, "step_time_s", 0.0)), float(getattr(st, "wait_time_s", 0.0))
+        s0, w0 = self._seconds_exported
+        if step_s > s0:
+            self.step_seconds.increment(step_s - s0)
+            self.step_wait_seconds.increment(max(0.0, wait_s - w0))
+            self._seconds_exported = (step_s, max(wait_s, w0))
         for gap_us in st.gpu_idle_gap_us or ():
             self.idle_gap.observe(gap_us * 1e-6)
 

@@ -19,7 +19,8 @@ def test_metrics_are_exact(server):
     assert wait_for(server.idle, 15)
     names = ["llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
              "llm_time_per_output_token_seconds_count", "llm_sync_steps_total", "llm_async_steps_total",
-             "llm_requests_rejected_total", "llm_responses_sent_total", "llm_response_send_seconds_total"]
+             "llm_requests_rejected_total", "llm_responses_sent_total", "llm_response_send_seconds_total",
+             "llm_step_seconds_total", "llm_step_gpu_wait_seconds_total"]
     before = {n: server.metric(n) for n in names}
     length0 = server.metric("llm_requests_finished_total", reason="length")
     prompts = [[1 + i] * (3 + i) for i in range(5)]           # 3..7 tokens: 25 in all
@@ -53,6 +54,9 @@ def test_metrics_are_exact(server):
     steps = d["llm_sync_steps_total"] + d["llm_async_steps_total"]
     assert steps >= max(max_tokens)
     assert d["llm_async_steps_total"] == 0
+    # the engine thread's time in those steps, of which its waits on the device
+    assert 0 < d["llm_step_seconds_total"] < 60
+    assert 0 <= d["llm_step_gpu_wait_seconds_total"] <= d["llm_step_seconds_total"]
     text = server.metrics_text()
     for fam in ("llm_gpu_idle_gap_seconds", "llm_kv_blocks_total", "llm_engine_healthy"):
         assert fam in text
