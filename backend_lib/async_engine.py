@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .delivery import Delivery
 from .engine import EngineStats, LLMEngine
 from .fault_hook import fail_after_steps
+from .os_threads import NamedThread
 from .request import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger("backend_lib")
@@ -179,8 +180,8 @@ class AsyncEngine(OutputSinks):
         self._stopping = False
         self._ready = threading.Event()
         self.engine: Optional[LLMEngine] = None
-        self._thread = threading.Thread(target=self._engine_main, name="engine-loop", daemon=True)
-        self._dispatcher = threading.Thread(target=self._dispatch_main, name="engine-dispatch", daemon=True)
+        self._thread = NamedThread(target=self._engine_main, name="engine-loop", daemon=True)
+        self._dispatcher = NamedThread(target=self._dispatch_main, name="engine-dispatch", daemon=True)
         self._dispatcher.start()
         self._thread.start()
         # Start-up handshake: the engine is built on its own thread; its errors surface here.

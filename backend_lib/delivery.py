@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict, deque
 from typing import Callable, Collection, Iterable, Optional
 
+from .os_threads import NamedThread
 from .request import RequestOutput
 
 
@@ -126,7 +127,7 @@ class Delivery:
         self._closing = False
         self.inline = threads == 1
         self._helpers = [] if self.inline else [
-            threading.Thread(target=self._help, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+            NamedThread(target=self._help, name=f"{name}-{i}", os_name=f"delivery-{i}", daemon=True) for i in range(threads)]
         for t in self._helpers:
             t.start()
 

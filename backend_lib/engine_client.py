@@ -41,6 +41,7 @@ from .config import EngineConfig
 from .delivery import Delivery
 from .engine import EngineStats
 from .interpreter import python_executable
+from .os_threads import NamedThread
 from .request import FinishReason, RequestOutput, SamplingParams, validate_request
 
 logger = logging.getLogger("backend_lib")
@@ -91,8 +92,8 @@ class EngineProcessClient(OutputSinks):
         # on a short-lived thread would otherwise lose its core with that thread).
         self._spawned, self._handshake = threading.Event(), threading.Event()
         self._spawn_error: Optional[BaseException] = None
-        self._reader = threading.Thread(target=self._reader_thread, args=(argv, theirs.fileno(), env),
-                                        name="engine-proc-reader", daemon=True)
+        self._reader = NamedThread(target=self._reader_thread, args=(argv, theirs.fileno(), env),
+                                    name="engine-proc-reader", os_name="engine-reader", daemon=True)
         self._reader.start()
         self._spawned.wait()
         theirs.close()

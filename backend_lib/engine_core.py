@@ -20,11 +20,11 @@ import os
 import queue
 import signal
 import sys
-import threading
 import traceback
 from multiprocessing.connection import Connection
 
 from . import engine_wire as wire
+from .os_threads import NamedThread, name_os_thread
 
 logger = logging.getLogger("backend_lib")
 
@@ -47,7 +47,7 @@ class _Writer:
     def __init__(self, conn: Connection):
         self.conn = conn
         self.q: "queue.SimpleQueue[object]" = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._main, name="core-writer", daemon=True)
+        self.thread = NamedThread(target=self._main, name="core-writer", daemon=True)
         self.thread.start()
 
     def steps(self, outs) -> None:
@@ -117,6 +117,7 @@ def serve(conn: Connection) -> int:
 
     kind, config, fault_after_steps = conn.recv()[0]  # a command list, as every message
     assert kind == wire.START, kind
+    name_os_thread("core-loop")
     _host_threads(config)
     try:
         eng = LLMEngine(config)
@@ -128,7 +129,7 @@ def serve(conn: Connection) -> int:
     conn.send((wire.READY, {"vocab_size": eng.vocab_size, "max_model_len": eng.max_model_len,
                             "eos_token_ids": tuple(eng.eos_token_ids), "pid": os.getpid()}))
     cmds: "queue.SimpleQueue[object]" = queue.SimpleQueue()
-    threading.Thread(target=_reader_main, args=(conn, cmds), name="core-reader", daemon=True).start()
+    NamedThread(target=_reader_main, args=(conn, cmds), name="core-reader", daemon=True).start()
     out = _Writer(conn)
 
     def drain(block: bool) -> object:

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import threading
 from concurrent.futures import Future
 from typing import Any, Optional
 
 import torch
 
 from .handoff import StepHandle
+from .os_threads import NamedThread
 from .scheduler import SchedulerOutput
 
 THREAD_NAME = "step-submission"
@@ -68,7 +68,7 @@ class SubmissionThread:
         self._closed = False
         device = runner.device
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._main, name=THREAD_NAME, daemon=True)
+        self._thread = NamedThread(target=self._main, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     # ---- engine thread ------------------------------------------------------------------

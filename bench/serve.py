@@ -67,6 +67,7 @@ from typing import Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+from bench import proc_cpu  # noqa: E402
 
 SAMPLINGS = {"greedy": {"temperature": 0.0, "top_p": 1.0},
              "top_p": {"temperature": 0.7, "top_p": 0.9}}
@@ -616,6 +617,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
            "--warmup-request-count", str(warm), "--measurement-interval", "600000",
            "--profile-export-file", str(prof)]
     before = srv.metric_sums(POINT_COUNTERS)
+    cpu0 = proc_cpu.thread_cpu(srv.proc.pid)
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
@@ -623,6 +625,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     except subprocess.TimeoutExpired as e:
         rc, out = 124, f"perf_analyzer timed out after {args.point_timeout} s\n{e.stdout or ''}"
     t1 = time.perf_counter()
+    cpu1 = proc_cpu.thread_cpu(srv.proc.pid)
     gpu = busy.mean(t0, t1)
     time.sleep(0.5)  # the llm model exports its send totals with its stats, every 200 ms
     after = srv.metric_sums(POINT_COUNTERS)
@@ -642,6 +645,8 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
              "queue_us": queue_us / reqs if reqs > 0 else None, "exec_us": exec_us / reqs if reqs > 0 else None}
     # the engine thread's host work per step (its time in step() less its waits on the GPU), and
     # the batch it ran (tokens of the requests finished in the window per step)
+    # which threads of the server, the stub and the engine core were busy (share of one CPU)
+    extra["thread_cpu"] = proc_cpu.busy_threads(cpu0, cpu1, t1 - t0)
     if steps > 0:
         extra["host_us_per_step"] = (d["llm_step_seconds_total"] - d["llm_step_gpu_wait_seconds_total"]) / steps * 1e6
         extra["tokens_per_step"] = d["llm_generation_tokens_total"] / steps
@@ -760,6 +765,11 @@ def markdown(rows: list[dict], header: str) -> str:
                      f"{_f(r.get('idle_us_per_step'), '.0f')} | {_f(r.get('host_us_per_step'), '.0f')} | "
                      f"{_f(r.get('tokens_per_step'), '.0f')} | {_f(r.get('queue_us'), '.0f')} | "
                      f"{_f(r.get('exec_us'), '.0f')} |")
+    busy = [r for r in loop_rows if r.get("thread_cpu")]
+    if busy:
+        lines += ["", "Busy threads during each Triton point (share of one CPU, >= 5 %; process/thread):", ""]
+        lines += [f"- {r['path']} {r['workload']} {r['sampling']} c={r['concurrency']}: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["thread_cpu"].items()) for r in busy]
     burst = [r for r in rows if r["workload"] == "burst"]
     if burst:
         syncs = {r["path"].rsplit(", async handoff", 1)[0]: r for r in burst if r["path"].endswith("off")}

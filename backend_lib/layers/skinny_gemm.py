@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
 MAX_M = 16
+MIN_DOT_BLOCK = 16  # the M > 1 path's tl.dot tiles: BLOCK_N at least this
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,12 @@ class SkinnyConfig:
 
 # Candidates the start-up measurement tries; cuBLAS is always the other candidate.
 # Few enough that compiling them all at start-up stays in seconds (Triton caches on disk).
+# Narrow column blocks (4, 8: M == 1 only, tl.dot needs 16) give the small projections of a
+# 0.5B model (N ~ 900-1200) one program per SM or more without a split-K reduction kernel.
 CANDIDATES = tuple(SkinnyConfig(bn, bk, sk, w)
                    for bn, bk, w in ((16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 512, 8))
-                   for sk in (1, 4))
+                   for sk in (1, 4)) + tuple(SkinnyConfig(bn, bk, 1, w)
+                                             for bn, bk, w in ((4, 512, 2), (8, 256, 2), (8, 512, 4)))
 
 
 if HAS_TRITON:
@@ -131,6 +135,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = 
                          f"not supported (M in [1, {MAX_M}], contiguous rows, one dtype, Triton)")
     m, k = x.shape
     n = w.shape[0]
+    if m > 1 and cfg.block_n < MIN_DOT_BLOCK:
+        raise ValueError(f"skinny_linear: {cfg} serves M == 1 only (tl.dot needs BLOCK_N >= {MIN_DOT_BLOCK}; M = {m})")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     # Each split's K range is a whole number of BLOCK_K chunks.
@@ -159,20 +165,29 @@ def weight_copies(w: torch.Tensor, b: Optional[torch.Tensor], l2_bytes: int = 12
 
 
 def time_linear_us(fn: Callable, x: torch.Tensor, copies: list, calls: int = 50) -> float:
-    """Median µs per call of fn(x, w, b), cycling through `copies` (after warm-up)."""
+    """Median µs per call of fn(x, w, b), cycling through `copies` (after warm-up). The calls
+    are captured in one CUDA graph and replayed, as a decode step runs them: the figure is the
+    kernel plus its boundary with the next one inside a graph. Timed as eager launches, a
+    Triton kernel would pay Python's launch (~20-30 µs) and every small shape would look
+    launch-bound, whichever kernel is faster on the device."""
     for w, b in copies[:3]:
         fn(x, w, b)
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            w, b = copies[i % len(copies)]
+            fn(x, w, b)
+    graph.replay()
     times = []
     for _ in range(5):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        for i in range(calls):
-            w, b = copies[i % len(copies)]
-            fn(x, w, b)
+        graph.replay()
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e3 / calls)
+    del graph
     return sorted(times)[len(times) // 2]
 
 

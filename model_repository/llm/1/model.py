@@ -32,6 +32,7 @@ _ROOT = Path(__file__).resolve().parents[3]
 if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from backend_lib.os_threads import NamedThread  # noqa: E402
 from triton_glue import config as glue_config  # noqa: E402
 from triton_glue.bls import CANCEL_PREFIX  # noqa: E402
 from triton_glue.detokenizer import PREFIX_WINDOW  # noqa: E402
@@ -223,7 +224,7 @@ class TritonPythonModel:
         self._finalized = False
         base = glue_config.server_http_url()
         self._ready_url = f"{base}/v2/models/{self.name}/versions/{self.version}/ready" if base else None
-        self._monitor = threading.Thread(target=self._monitor_main, name="llm-monitor", daemon=True)
+        self._monitor = NamedThread(target=self._monitor_main, name="llm-monitor", daemon=True)
         self._monitor.start()
 
     # ---- execute: parse + enqueue only --------------------------------------------------
