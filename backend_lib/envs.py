@@ -18,17 +18,19 @@ def triton_interpret() -> bool:
     return os.environ.get(TRITON_INTERPRET_ENV, "0") == "1"
 
 
-# Skinny-GEMM path of the decode projections (backend_lib/layers/skinny_gemm.py): off (the
-# default), on (per shape, only where the start-up measurement beats cuBLAS), force (every
-# tuned shape through the Triton kernel, faster or not: tests).
+# Skinny-GEMM path of the decode projections (backend_lib/layers/skinny_gemm.py): on (the
+# default: per shape, only where the start-up measurement inside a CUDA graph beats cuBLAS;
+# the H200 run in bench/RESULTS.md: 0.5B batch 1 1.075 -> 1.005 ms, 8B 4.650 -> 4.478 ms, a
+# few seconds more start-up), off (cuBLAS everywhere), force (every tuned shape through the
+# Triton kernel, faster or not: tests). CUDA engines only.
 SKINNY_GEMM_ENV = "BACKEND_LIB_SKINNY_GEMM"
 
 
 def skinny_gemm() -> str:
-    v = os.environ.get(SKINNY_GEMM_ENV, "off").strip().lower()
-    if v in ("", "0", "off", "false", "no"):
+    v = os.environ.get(SKINNY_GEMM_ENV, "on").strip().lower()
+    if v in ("0", "off", "false", "no"):
         return "off"
-    if v in ("1", "on", "true", "yes"):
+    if v in ("", "1", "on", "true", "yes"):
         return "on"
     if v == "force":
         return "force"

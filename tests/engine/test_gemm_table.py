@@ -9,7 +9,7 @@ from backend_lib.layers import skinny_gemm
 from engine_helpers import greedy, make_engine
 
 
-@pytest.mark.parametrize("raw,want", [(None, "off"), ("0", "off"), ("off", "off"), ("1", "on"), ("on", "on"),
+@pytest.mark.parametrize("raw,want", [(None, "on"), ("", "on"), ("0", "off"), ("off", "off"), ("1", "on"), ("on", "on"),
                                       ("force", "force"), (" FORCE ", "force")])
 def test_switch_values(monkeypatch, raw, want):
     if raw is None:
