@@ -6,6 +6,7 @@ all torch work), the dispatcher thread (runs callbacks, e.g. Triton's response s
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -83,6 +84,11 @@ class OutputSinks:
     _stopping: bool
     _merge_queued: bool
     _delivery_threads: int
+
+    def batched_adds(self):
+        """A block whose add_request() calls may reach the engine together (EngineProcessClient:
+        one message); in process each goes at once."""
+        return contextlib.nullcontext()
 
     def _register(self, request_id: str, callback: Optional[Callback]) -> RequestStream:
         """A new request's sink (its stream, and its callback if any)."""

@@ -18,6 +18,7 @@ never initializes CUDA.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -68,6 +69,7 @@ class EngineProcessClient(OutputSinks):
         self._sinks: dict[str, tuple[RequestStream, Optional[Callback]]] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._batch = threading.local()  # .cmds: the commands batched_adds() holds on this thread
         self._stopping = False
         self._stopped_cleanly = False
         self._ready = False  # the start-up handshake succeeded: the reader thread reads
@@ -152,8 +154,13 @@ class EngineProcessClient(OutputSinks):
             raise RuntimeError(f"engine is not healthy: {self.error!r}")
         ids = self.validate(prompt_token_ids, params)  # errors raise here, synchronously
         stream = self._register(request_id, callback)
+        cmd = (wire.ADD, request_id, ids, params)
+        batch = getattr(self._batch, "cmds", None)
+        if batch is not None:
+            batch.append(cmd)
+            return stream
         try:
-            self._send([(wire.ADD, request_id, ids, params)])
+            self._send([cmd])
             sent = True
         except OSError:
             sent = False
@@ -166,7 +173,44 @@ class EngineProcessClient(OutputSinks):
                 raise RuntimeError(f"engine is not healthy: {self.error!r}")
         return stream
 
+    @contextlib.contextmanager
+    def batched_adds(self):
+        """The add_request() and abort() calls this thread makes inside the block reach the core
+        as ONE message when it ends, in order: one socket write for all the requests of a Triton
+        execute(). Each write releases the stub's GIL, and taking it back waits behind the
+        stub's busy threads (up to the switch interval, 5 ms): one per request made execute()
+        hold a batch of requests for milliseconds each. Should that message not reach a healthy
+        core, each of its requests gets an error final output through its callback (its caller
+        has moved on)."""
+        if getattr(self._batch, "cmds", None) is not None:  # nested: the outer block sends
+            yield
+            return
+        cmds: list = []
+        self._batch.cmds = cmds
+        try:
+            yield
+        finally:
+            self._batch.cmds = None
+            if cmds:
+                self._send_batch(cmds)
+
+    def _send_batch(self, cmds: list) -> None:
+        try:
+            self._send(cmds)
+            if self.is_healthy():
+                return
+        except OSError:
+            pass
+        for cmd in cmds:  # the fail-all may have ended some already: _deliver ends each once
+            if cmd[0] == wire.ADD:
+                self._deliver(RequestOutput(cmd[1], [], True, FinishReason.ERROR,
+                                            error=f"engine is not healthy: {self.error!r}"))
+
     def abort(self, request_id: str) -> None:
+        batch = getattr(self._batch, "cmds", None)
+        if batch is not None:
+            batch.append((wire.ABORT, request_id))
+            return
         try:
             self._send([(wire.ABORT, request_id)])
         except OSError:

@@ -88,6 +88,52 @@ def test_abort_by_id(client, path):
     _wait(lambda: client.stats().kv_blocks_used == 0, 10)
 
 
+def test_batched_adds_reach_the_core_as_one_message(client, generate_reference, monkeypatch):
+    """A Triton execute()'s requests go to the core in one write (batched_adds): the same tokens
+    as generate, and an abort made in the block after its add ends that request (the core sees
+    the ADD first: same message, in order)."""
+    prompts, params, ref = generate_reference
+    sent = []
+    real_send = client._send
+    monkeypatch.setattr(client, "_send", lambda cmds, timeout=None: (sent.append([c[0] for c in cmds]),
+                                                                     real_send(cmds, timeout))[1])
+    with client.batched_adds():
+        streams = [client.add_request(f"bat{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        doomed = client.add_request("bat-aborted", [5, 6, 7], greedy(500, ignore_eos=True))
+        client.abort("bat-aborted")
+        assert sent == []  # nothing before the block ends
+    assert sent == [["add"] * (len(prompts) + 1) + ["abort"]]
+    assert [s.result() for s in streams] == [(t, r) for t, r in ref]
+    toks, reason = doomed.result()
+    assert str(reason) == "abort" and len(toks) < 500
+
+
+def test_batched_adds_to_a_dead_core_end_each_request_once(path):
+    """The core dies before the block's message goes out: every request of the block gets one
+    final output, an error (from the fail-all or from the block's end, never both)."""
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    try:
+        finals: dict[str, list] = {}
+
+        def cb(out):
+            if out.finished:
+                finals.setdefault(out.request_id, []).append(out)
+
+        with c.batched_adds():
+            for i in range(5):
+                c.add_request(f"dead{i}", [5, 6, 7], greedy(8, ignore_eos=True), callback=cb)
+            os.kill(c.pid, signal.SIGKILL)
+            _wait(lambda: not c.is_healthy(), 10)
+        _wait(lambda: len(finals) == 5, 10)
+        time.sleep(0.2)  # a second final would come now
+        assert sorted(finals) == [f"dead{i}" for i in range(5)]
+        for outs in finals.values():
+            assert len(outs) == 1 and str(outs[0].finish_reason) == "error" and outs[0].error
+    finally:
+        c.shutdown(timeout=5)
+    assert not process_alive(c.pid)
+
+
 def test_sigint_to_the_core_is_ignored(client):
     """Ctrl-C reaches the whole process group; the stub decides when the engine stops."""
     os.kill(client.pid, signal.SIGINT)

@@ -230,72 +230,81 @@ class TritonPythonModel:
     # ---- execute: parse + enqueue only --------------------------------------------------
     def execute(self, requests):
         self._seen_ready = True  # requests only arrive once the model is ready
-        for request in requests:
-            sender = request.get_response_sender()
-            tid = request.request_id() or ""
-            bls = tid.startswith(CANCEL_PREFIX)
-            try:
-                if self._unloading:
-                    raise RuntimeError("model is unloading (or the server is shutting down)")
-                arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-                if "cancel_request_id" in arrays:
-                    self._control_cancel(arrays["cancel_request_id"])
-                    sender.send(flags=FINAL)
-                    continue
-                if "stop" in arrays and get_bool(arrays, "stop", False):
-                    # TensorRT-LLM's stop request: end the in-flight request with this request id
-                    self._cancel_key(tid)
-                    sender.send(flags=FINAL)
-                    continue
-                reject_unknown_parameters(request.parameters())
-                rows = parse_token_requests(arrays)
-                params = [r.sampling.to_params() for r in rows]
-                for r, p in zip(rows, params):  # every row before any reaches the engine
-                    self.engine.validate(r.prompt_ids, p)
-                group = _Group(sender, len(rows), bls, _requested_outputs(request))
-                ctxs = [_Inflight(f"{self.instance}-{next(self._ids)}", group, r) for r in rows]
-                group.rows = ctxs
-                with self._lock:
-                    for ctx in ctxs:
-                        self._inflight[ctx.rid] = ctx
-                    if tid and tid not in self._by_key:
-                        group.key = tid
-                        self._by_key[tid] = group
-                added = 0
-                try:
-                    for ctx, r, p in zip(ctxs, rows, params):
-                        self.engine.add_request(ctx.rid, r.prompt_ids, p, callback=self._on_output)
-                        added += 1
-                except BaseException as e:
-                    with self._lock:
-                        for ctx in ctxs[added:]:
-                            self._inflight.pop(ctx.rid, None)
-                    if added == 0:
-                        with self._lock:
-                            if group.key:
-                                self._by_key.pop(group.key, None)
-                        with group.lock:
-                            group.closed = True  # the monitor must not poll it any more
-                        raise
-                    # rows already in the engine end as aborted; the error goes with the last
-                    group.error = f"batch row {added}: {e}"
-                    group.remaining = added
-                    for ctx in ctxs[:added]:
-                        self._cancel(ctx)
-                    self.logger.log_warn(f"[llm] batch row {added} rejected; aborting the {added} row(s) before it")
-                # The rows were in _inflight (cancellation polls, an unload's abort-all) before the
-                # engine had them, and the engine ignores an abort of an id it does not know yet:
-                # abort again now that it has them.
-                if self._unloading or any(c.cancelled for c in ctxs):
-                    for ctx in ctxs[:added]:
-                        self.engine.abort(ctx.rid)
-            except (InputError, ValueError, RuntimeError) as e:
-                self.metrics.request_rejected()
-                sender.send(_error_response(str(e), bls), flags=FINAL)
-            except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
-                self.metrics.request_rejected()
-                sender.send(_error_response(f"internal error: {e!r}", bls), flags=FINAL)
+        in_engine = []  # the rows of this call handed to the engine
+        # With the engine in its own process, the whole call's requests reach it in one message.
+        with self.engine.batched_adds():
+            for request in requests:
+                self._enqueue(request, in_engine)
+        # Rows were in _inflight (cancellation polls, an unload's abort-all) before the engine had
+        # them, and the engine ignores an abort of an id it does not know yet: abort again now
+        # that it has them.
+        for ctx in in_engine:
+            if self._unloading or ctx.cancelled:
+                self.engine.abort(ctx.rid)
         return None
+
+    def _enqueue(self, request, in_engine):
+        """Parse, validate and add one Triton request's rows (into in_engine); a rejected one gets
+        its error response and FINAL here."""
+        sender = request.get_response_sender()
+        tid = request.request_id() or ""
+        bls = tid.startswith(CANCEL_PREFIX)
+        try:
+            if self._unloading:
+                raise RuntimeError("model is unloading (or the server is shutting down)")
+            arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+            if "cancel_request_id" in arrays:
+                self._control_cancel(arrays["cancel_request_id"])
+                sender.send(flags=FINAL)
+                return
+            if "stop" in arrays and get_bool(arrays, "stop", False):
+                # TensorRT-LLM's stop request: end the in-flight request with this request id
+                self._cancel_key(tid)
+                sender.send(flags=FINAL)
+                return
+            reject_unknown_parameters(request.parameters())
+            rows = parse_token_requests(arrays)
+            params = [r.sampling.to_params() for r in rows]
+            for r, p in zip(rows, params):  # every row before any reaches the engine
+                self.engine.validate(r.prompt_ids, p)
+            group = _Group(sender, len(rows), bls, _requested_outputs(request))
+            ctxs = [_Inflight(f"{self.instance}-{next(self._ids)}", group, r) for r in rows]
+            group.rows = ctxs
+            with self._lock:
+                for ctx in ctxs:
+                    self._inflight[ctx.rid] = ctx
+                if tid and tid not in self._by_key:
+                    group.key = tid
+                    self._by_key[tid] = group
+            added = 0
+            try:
+                for ctx, r, p in zip(ctxs, rows, params):
+                    self.engine.add_request(ctx.rid, r.prompt_ids, p, callback=self._on_output)
+                    added += 1
+            except BaseException as e:
+                with self._lock:
+                    for ctx in ctxs[added:]:
+                        self._inflight.pop(ctx.rid, None)
+                if added == 0:
+                    with self._lock:
+                        if group.key:
+                            self._by_key.pop(group.key, None)
+                    with group.lock:
+                        group.closed = True  # the monitor must not poll it any more
+                    raise
+                # rows already in the engine end as aborted; the error goes with the last
+                group.error = f"batch row {added}: {e}"
+                group.remaining = added
+                for ctx in ctxs[:added]:
+                    self._cancel(ctx)
+                self.logger.log_warn(f"[llm] batch row {added} rejected; aborting the {added} row(s) before it")
+            in_engine.extend(ctxs[:added])
+        except (InputError, ValueError, RuntimeError) as e:
+            self.metrics.request_rejected()
+            sender.send(_error_response(str(e), bls), flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
+            self.metrics.request_rejected()
+            sender.send(_error_response(f"internal error: {e!r}", bls), flags=FINAL)
 
     # ---- the sender: runs on the engine's dispatcher thread -----------------------------
     def _on_output(self, out):
