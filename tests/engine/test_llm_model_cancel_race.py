@@ -1,7 +1,8 @@
 """The `llm` model (model_repository/llm/1/model.py) on the engine process, without Triton: a
 stand-in triton_python_backend_utils, requests and response senders. A cancellation (or an
 unload's abort-all) that lands while execute is still adding the request must still end it
-early: the abort must not reach the engine before the request does (and be lost)."""
+early: the abort must not reach the engine before the request does (and be lost). One execute()
+call's requests reach the engine in one message."""
 import importlib.util
 import json
 import sys
@@ -170,3 +171,23 @@ def test_a_batch_row_the_engine_refuses_ends_the_request_with_its_reason(llm_mod
     assert err is not None and "batch row 2" in err.message and "stand-in refusal" in err.message, err.message
     assert err.code != "CANCELLED"
     assert sender.tokens() < 300
+
+
+def test_one_execute_reaches_the_engine_as_one_message(llm_model):
+    """Six requests in one execute() (Triton's dynamic batch): one write to the engine core,
+    holding their six ADDs, and each request streams its tokens and one FINAL."""
+    writes = []
+    real_send = llm_model.engine._send
+
+    def counting_send(cmds, timeout=None):
+        writes.append([c[0] for c in cmds])
+        return real_send(cmds, timeout)
+
+    llm_model.engine._send = counting_send
+    senders = [Sender() for _ in range(6)]
+    llm_model.execute([Request({"input_ids": [[5 + i, 6, 7]], "request_output_len": [[8]], "streaming": [[True]],
+                                "ignore_eos": [[True]]}, s) for i, s in enumerate(senders)])
+    assert writes[0] == ["add"] * 6
+    for s in senders:
+        assert s.done.wait(60)
+        assert s.finals == 1 and s.tokens() == 8
