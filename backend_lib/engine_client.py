@@ -199,12 +199,15 @@ class EngineProcessClient(OutputSinks):
             self._send(cmds)
             if self.is_healthy():
                 return
+            why = f"engine is not healthy: {self.error!r}"
         except OSError:
-            pass
+            why = f"engine is not healthy: {self.error!r}"
+        except Exception as e:  # noqa: BLE001 - not sent at all: its requests must still end
+            logger.exception("sending %d commands to the engine process failed", len(cmds))
+            why = f"engine process send failed: {e!r}"
         for cmd in cmds:  # the fail-all may have ended some already: _deliver ends each once
             if cmd[0] == wire.ADD:
-                self._deliver(RequestOutput(cmd[1], [], True, FinishReason.ERROR,
-                                            error=f"engine is not healthy: {self.error!r}"))
+                self._deliver(RequestOutput(cmd[1], [], True, FinishReason.ERROR, error=why))
 
     def abort(self, request_id: str) -> None:
         batch = getattr(self._batch, "cmds", None)

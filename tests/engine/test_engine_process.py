@@ -108,6 +108,26 @@ def test_batched_adds_reach_the_core_as_one_message(client, generate_reference, 
     assert str(reason) == "abort" and len(toks) < 500
 
 
+def test_batched_adds_that_cannot_be_sent_end_each_request_with_an_error(client, monkeypatch):
+    """A block's message that fails to go out for another reason than a dead core (here a
+    stand-in error): its requests end with the reason, the engine stays healthy and serves on."""
+    def broken_send(cmds, timeout=None):
+        raise ValueError("stand-in pickling failure")
+
+    real_send = client._send
+    monkeypatch.setattr(client, "_send", broken_send)
+    with client.batched_adds():
+        streams = [client.add_request(f"unsent{i}", [5, 6, 7], greedy(4, ignore_eos=True)) for i in range(3)]
+    monkeypatch.setattr(client, "_send", real_send)
+    for s in streams:
+        outs = list(s)
+        assert len(outs) == 1 and str(outs[0].finish_reason) == "error"
+        assert outs[0].error == "engine process send failed: ValueError('stand-in pickling failure')"
+    assert client.is_healthy() and client.num_inflight() == 0
+    toks, reason = client.add_request("after-unsent", [5, 6, 7], greedy(4, ignore_eos=True)).result()
+    assert len(toks) == 4 and str(reason) == "length"
+
+
 def test_batched_adds_to_a_dead_core_end_each_request_once(path):
     """The core dies before the block's message goes out: every request of the block gets one
     final output, an error (from the fail-all or from the block's end, never both)."""
