@@ -3,11 +3,16 @@
 
 Counters are exact: prompt/generation tokens and finished requests are counted once per
 request, when its final output is sent. Gauges and step counters mirror EngineStats.
+
+Each metric update is a round trip to the server that releases the stub's GIL and waits to take
+it back. The per-request ones (TTFT, TPOT, the finish counters) are therefore recorded here in
+memory by the sending thread and go to the server from the stats thread (`flush`, with every
+stats export): the sender makes no metric call, and the counters trail by one stats interval.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Optional
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
 TPOT_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -131,19 +136,53 @@ class EngineMetrics:
         self.response_send_seconds = metric(fam("send_s", MF.COUNTER, "Seconds spent in those sends "
                                                                       "(response_sender.send, a round trip to the server)"))
         self._sends_exported = (0, 0.0)
+        self._pending_lock = threading.Lock()
+        self._pending_ttft: list[float] = []
+        self._pending_tpot: list[float] = []
+        self._pending_prompt = self._pending_gen = 0
+        self._pending_finished: dict[str, int] = {}
         self._last = {"async": 0, "sync": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0}
         self._vllm_alias = {"pc_queried": self.vllm_pc_queried, "pc_hit": self.vllm_pc_hit,
                             "preempt": self.vllm_preempt}
 
-    def request_finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
-        self.prompt_tokens.increment(num_prompt)
-        self.generation_tokens.increment(num_generated)
-        self.finished.get(reason, self.finished["error"]).increment(1)
+    def first_token(self, seconds: float) -> None:
+        with self._pending_lock:
+            self._pending_ttft.append(seconds)
+
+    def request_finished(self, reason: str, num_prompt: int, num_generated: int,
+                         tpot: Optional[float] = None) -> None:
+        """A request's final output: its counts, and its time per output token (None: fewer
+        than two tokens)."""
+        if reason not in self.finished:
+            reason = "error"
+        with self._pending_lock:
+            self._pending_prompt += num_prompt
+            self._pending_gen += num_generated
+            self._pending_finished[reason] = self._pending_finished.get(reason, 0) + 1
+            if tpot is not None:
+                self._pending_tpot.append(tpot)
+
+    def flush(self) -> None:
+        """Send what request_finished / first_token recorded since the last flush."""
+        with self._pending_lock:
+            ttft, self._pending_ttft = self._pending_ttft, []
+            tpot, self._pending_tpot = self._pending_tpot, []
+            prompt, gen, finished = self._pending_prompt, self._pending_gen, self._pending_finished
+            self._pending_prompt, self._pending_gen, self._pending_finished = 0, 0, {}
+        for v in ttft:
+            self.ttft.observe(v)
+        for v in tpot:
+            self.tpot.observe(v)
+        self.prompt_tokens.increment(prompt)
+        self.generation_tokens.increment(gen)
+        for reason, n in finished.items():
+            self.finished[reason].increment(n)
 
     def request_rejected(self) -> None:
         self.rejected.increment(1)
 
     def export_engine_stats(self, st: Any, healthy: bool) -> None:
+        self.flush()
         self.running.set(st.num_running)
         self.waiting.set(st.num_waiting)
         self.kv_used.set(st.kv_blocks_used)

@@ -324,7 +324,7 @@ class TritonPythonModel:
         if new:
             if ctx.t_first is None:
                 ctx.t_first = now
-                self.metrics.ttft.observe(now - ctx.t_arrival)
+                self.metrics.first_token(now - ctx.t_arrival)
             ctx.t_last = now
             ctx.n_out += len(new)
         if out.finished:
@@ -425,10 +425,9 @@ class TritonPythonModel:
             return g.sender.is_cancelled()
 
     def _account(self, ctx, out):
+        tpot = (ctx.t_last - ctx.t_first) / (ctx.n_out - 1) if ctx.n_out >= 2 and ctx.t_first is not None else None
         self.metrics.request_finished(str(out.finish_reason) if out.finish_reason is not None else "error",
-                                      num_prompt=len(ctx.prompt), num_generated=ctx.n_out)
-        if ctx.n_out >= 2 and ctx.t_first is not None:
-            self.metrics.tpot.observe((ctx.t_last - ctx.t_first) / (ctx.n_out - 1))
+                                      num_prompt=len(ctx.prompt), num_generated=ctx.n_out, tpot=tpot)
 
     def _control_cancel(self, arr):
         raw = np.asarray(arr).reshape(-1)[0]
@@ -549,4 +548,8 @@ class TritonPythonModel:
                 except Exception:  # noqa: BLE001
                     pass
             self._finalized = True
+            try:
+                self.metrics.flush()  # the last requests' counts
+            except Exception:  # noqa: BLE001
+                pass
             self.metrics.close()
