@@ -6,7 +6,7 @@ started by EngineProcessClient (backend_lib/engine_client.py) with one end of a 
 FD. Threads here:
   - main: the engine loop (drain commands, step, hand the step's outputs to the writer);
   - reader: receives the parent's command lists into a queue (blocks in recv, GIL released);
-  - writer: sends everything the loop produced since its last write as ONE message.
+  - writer: encodes and sends everything the loop produced since its last write as ONE message.
 The process ends when the parent says stop, when the engine loop dies (after telling the
 parent), when the parent kills it, or when the parent is gone: the socket closes (reader sees
 EOF) or, on Linux, the kernel's parent-death signal (SIGKILL) fires. SIGINT and SIGTERM are
@@ -42,7 +42,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class _Writer:
-    """The one thread that writes to the parent; the engine loop only enqueues."""
+    """The one thread that encodes and writes what goes to the parent; the engine loop only enqueues."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
@@ -52,7 +52,7 @@ class _Writer:
 
     def steps(self, outs) -> None:
         if outs:
-            self.q.put([wire.encode_output(o) for o in outs])
+            self.q.put(outs)  # encoded on the writer thread, while the loop waits on the device
 
     def control(self, msg: tuple) -> None:
         self.q.put(msg)
@@ -73,7 +73,7 @@ class _Writer:
             try:
                 for item in items:
                     if isinstance(item, list):
-                        steps.append(item)
+                        steps.append([wire.encode_output(o) for o in item])
                         continue
                     if steps:
                         self.conn.send((wire.STEPS, steps))
