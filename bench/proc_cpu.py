@@ -39,17 +39,21 @@ def _role(pid: int, comm: str) -> str:
     return comm
 
 
-def descendants(root: int) -> list[int]:
+def descendants(root: int) -> dict[int, str]:
+    """pid -> process name of root and every process below it."""
     children: dict[int, list[int]] = {}
+    comm: dict[int, str] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             st = _stat(d / "stat")
             if st is not None:
+                comm[int(d.name)] = st[0]
                 children.setdefault(st[1], []).append(int(d.name))
-    out, todo = [], [root]
+    out, todo = {}, [root]
     while todo:
         pid = todo.pop()
-        out.append(pid)
+        if pid in comm:
+            out[pid] = comm[pid]
         todo.extend(children.get(pid, []))
     return out
 
@@ -57,11 +61,8 @@ def descendants(root: int) -> list[int]:
 def thread_cpu(root: int) -> dict[str, float]:
     """CPU seconds so far per "process/thread" of root's process tree."""
     totals: dict[str, float] = {}
-    for pid in descendants(root):
-        st = _stat(Path(f"/proc/{pid}/stat"))
-        if st is None:
-            continue
-        role = _role(pid, st[0])
+    for pid, name in descendants(root).items():
+        role = _role(pid, name)
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:

@@ -129,7 +129,6 @@ class EngineMetrics:
         self.step_seconds = metric(fam("step_s", MF.COUNTER, "Seconds the engine thread spent in step()"))
         self.step_wait_seconds = metric(fam("step_wait_s", MF.COUNTER, "Of those, seconds it waited on the "
                                                                        "device for a step's tokens"))
-        self._seconds_exported = (0.0, 0.0)
         # The stub's sends: counted in the sending thread, exported with the engine stats (a
         # metric update is itself a call to the server: one per send would double their cost).
         self.responses_sent = metric(fam("sent", MF.COUNTER, "Responses the llm model sent for requests in the engine"))
@@ -141,7 +140,9 @@ class EngineMetrics:
         self._pending_tpot: list[float] = []
         self._pending_prompt = self._pending_gen = 0
         self._pending_finished: dict[str, int] = {}
-        self._last = {"async": 0, "sync": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0}
+        # each EngineStats total exported so far: the counters grow by the difference
+        self._last = {"async": 0, "sync": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0,
+                      "step_s": 0.0, "step_wait_s": 0.0}
         self._vllm_alias = {"pc_queried": self.vllm_pc_queried, "pc_hit": self.vllm_pc_hit,
                             "preempt": self.vllm_preempt}
 
@@ -197,19 +198,15 @@ class EngineMetrics:
                               ("sync", st.sync_steps_total, self.sync_steps),
                               ("preempt", getattr(st, "num_preemptions", 0), self.preemptions),
                               ("pc_queried", getattr(st, "prefix_cache_queried_tokens_total", 0), self.pc_queried),
-                              ("pc_hit", getattr(st, "prefix_cache_hit_tokens_total", 0), self.pc_hit)):
-            delta = int(total) - self._last[key]
+                              ("pc_hit", getattr(st, "prefix_cache_hit_tokens_total", 0), self.pc_hit),
+                              ("step_s", getattr(st, "step_time_s", 0.0), self.step_seconds),
+                              ("step_wait_s", getattr(st, "wait_time_s", 0.0), self.step_wait_seconds)):
+            delta = total - self._last[key]
             if delta > 0:
                 m.increment(delta)
                 if key in self._vllm_alias:
                     self._vllm_alias[key].increment(delta)
-                self._last[key] = int(total)
-        step_s, wait_s = float(getattr(st, "step_time_s", 0.0)), float(getattr(st, "wait_time_s", 0.0))
-        s0, w0 = self._seconds_exported
-        if step_s > s0:
-            self.step_seconds.increment(step_s - s0)
-            self.step_wait_seconds.increment(max(0.0, wait_s - w0))
-            self._seconds_exported = (step_s, max(wait_s, w0))
+                self._last[key] = total
         for gap_us in st.gpu_idle_gap_us or ():
             self.idle_gap.observe(gap_us * 1e-6)
 
