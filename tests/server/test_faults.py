@@ -153,6 +153,7 @@ class Outcome:
     route: str
     proto: str
     tokens: int = 0                    # responses with content before the end
+    generated: int = 0                 # the server's num_output_tokens, summed over the responses
     end: Optional[str] = None          # "final" | "error" (from the server) | "dropped" (transport)
     message: str = ""
     t_end: Optional[float] = None
@@ -165,16 +166,31 @@ class Outcome:
 
 
 def grpc_body(route: str, i: int) -> tuple[dict, bool]:
+    """return_num_output_tokens: a stream the client still reads at the fault may have been
+    finished by the server before it (on a loaded machine the client lags the server by
+    seconds); its count of LONG tells that apart from a FINAL sent after the fault."""
     text = f"Once upon a time {i}"
     if route == "llm":
         return {"input_ids": np.array([[1, 2, 3 + i]], dtype=np.int32), "max_tokens": LONG, "ignore_eos": True,
-                "stream": True, "exclude_input_in_output": True}, True
+                "stream": True, "exclude_input_in_output": True, "return_num_output_tokens": True}, True
     if route == "vllm_model":
-        return {"text_input": text, "stream": True,
+        return {"text_input": text, "stream": True, "return_num_output_tokens": True,
                 "sampling_parameters": json.dumps({"max_tokens": LONG, "ignore_eos": True})}, False
     # ignore_eos: the streams run to max_tokens (with end_id 3 instead, an ensemble stream that
     # sampled id 3 around the fault ended with a FINAL of its own, failing the stub-kill test)
-    return {"text_input": text, "max_tokens": LONG, "ignore_eos": True, "stream": True}, True
+    return {"text_input": text, "max_tokens": LONG, "ignore_eos": True, "stream": True,
+            "return_num_output_tokens": True}, True
+
+
+def finished_before_fault(s) -> bool:
+    """The server had sent this stream's every token and its FINAL before the fault."""
+    return s.out.end == "final" and s.out.generated == LONG
+
+
+def assert_some_broken(streams: list) -> None:
+    """The fault met streams in flight on both protocols (else the test tested nothing)."""
+    broken = {s.out.proto for s in streams if not finished_before_fault(s)}
+    assert broken == {"grpc", "http"}, [(s.out.route, s.out.proto, s.out.end, s.out.generated) for s in streams]
 
 
 class GrpcStream:
@@ -197,6 +213,9 @@ class GrpcStream:
         resp = result.get_response()
         if resp.outputs:
             self.out.tokens += 1
+            counts = result.as_numpy("num_output_tokens")
+            if counts is not None:
+                self.out.generated += int(counts.sum())
         final = resp.parameters.get("triton_final_response")
         if final is not None and final.bool_param:
             self.out.finish("final")
@@ -236,6 +255,7 @@ class HttpStream:
                         self.out.finish("error", last["error"])
                         return
                     self.out.tokens += 1
+                    self.out.generated += int(np.sum(last.get("num_output_tokens", 0)))
             self.out.finish("final")  # the chunked body ended cleanly: the server sent FINAL
         except Exception as e:  # noqa: BLE001 - reset / incomplete read: the transport broke
             self.out.finish("dropped", repr(e))
@@ -255,6 +275,9 @@ def start_streams(srv: Launched, per_route_grpc: int = 3) -> list:
     assert wait_for(lambda: all(s.out.tokens >= 2 or s.out.done.is_set() for s in streams), 120, 0.05), state()
     running = [s for s in streams if not s.out.done.is_set()]
     assert len(running) >= len(streams) - 2, (f"{time.monotonic() - t0:.1f} s", state())
+    # the counts finished_before_fault reads arrive on every route and protocol
+    assert all(s.out.generated >= s.out.tokens for s in streams), [(s.out.route, s.out.proto, s.out.tokens,
+                                                                     s.out.generated) for s in streams]
     return streams
 
 
@@ -376,8 +399,9 @@ def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
         # ensemble and llm can only see their stream break when the server exits
         odd = [(s.out.route, s.out.proto, s.out.end, s.out.message[:100]) for s in running
                if not (s.out.end == "error" and "died" in s.out.message
-                       or s.out.proto == "grpc" and s.out.end == "dropped")]
+                       or s.out.proto == "grpc" and s.out.end == "dropped" or finished_before_fault(s))]
         assert not odd, odd
+        assert_some_broken(running)
         srv.proc.wait(max(0.1, t0 + STUB_DEATH_BOUND_S - time.monotonic()))
         assert srv.proc.returncode != 0
         assert f"Python stub of model 'llm' (pid {llm_stub.pid}) died" in srv.log_tail(400)
@@ -430,8 +454,9 @@ def assert_crash_handled(srv: Launched, streams: list, t0: float, members: list,
     odd = [row for s, row in zip(streams, summary)
            if not (s.out.proto == "grpc" and s.out.end == "dropped"
                    or s.out.proto == "http" and s.out.end == "error" and s.out.message.startswith(BROKEN_OFF)
-                   or s.out.end == "error" and "died" in s.out.message)]
+                   or s.out.end == "error" and "died" in s.out.message or finished_before_fault(s))]
     assert not odd, (odd, srv.log_tail(300))
+    assert_some_broken(streams)
     srv.proc.wait(max(0.1, t0 + SIGNAL_BOUND_S - time.monotonic()))
     assert srv.proc.returncode == 128 + sig, (srv.proc.returncode, srv.log_tail(300))
     assert f"[serve] error: tritonserver died of {sig.name} without being asked to stop" in srv.log_tail(400)
@@ -452,7 +477,7 @@ def test_tritonserver_killed_with_streams_in_flight(tmp_path):
         t0 = time.monotonic()
         os.kill(srv.tritonserver().pid, signal.SIGKILL)
         assert_crash_handled(srv, running, t0, members, regions, signal.SIGKILL)
-        http_msgs = [s.out.message for s in running if s.out.proto == "http"]
+        http_msgs = [s.out.message for s in running if s.out.proto == "http" and not finished_before_fault(s)]
         assert http_msgs and all(m.startswith(BROKEN_OFF) for m in http_msgs), http_msgs
     finally:
         for s in streams:
