@@ -310,7 +310,7 @@ def assert_all_ended(streams: list, t0: float, bound: float):
     for s in streams:
         s.out.done.wait(max(0.0, t0 + bound - time.monotonic()))
     summary = [(s.out.route, s.out.proto, s.out.end, round(s.out.t_end - t0, 1) if s.out.t_end else None,
-                s.out.message[:80]) for s in streams]
+                s.out.message[:80], s.out.generated) for s in streams]
     assert all(s.out.done.is_set() for s in streams), summary
     assert all(s.out.t_end - t0 <= bound for s in streams), summary
     return summary
