@@ -111,7 +111,7 @@ def _host_threads(config) -> None:
 
 def serve(conn: Connection) -> int:
     """Build the engine from the START message, then run the loop until stop. Returns the exit code."""
-    from .engine import LLMEngine
+    from .envs import engine_class
     from .fault_hook import fail_after_steps
     from .request import FinishReason, RequestOutput
 
@@ -120,7 +120,7 @@ def serve(conn: Connection) -> int:
     name_os_thread("core-loop")
     _host_threads(config)
     try:
-        eng = LLMEngine(config)
+        eng = engine_class()(config)
         if fault_after_steps > 0:
             fail_after_steps(eng, fault_after_steps)
     except BaseException as e:  # noqa: BLE001 - re-raised in the parent

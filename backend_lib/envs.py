@@ -3,6 +3,25 @@ from __future__ import annotations
 
 import os
 
+# "module:Class" the engine process (engine_core) builds instead of LLMEngine, with LLMEngine's
+# interface: a stand-in for measuring the serving path without the model
+# (bench/emulated_engine.py). Unset: LLMEngine.
+ENGINE_CLASS_ENV = "BACKEND_LIB_ENGINE_CLASS"
+
+
+def engine_class():
+    """The class engine_core builds: LLMEngine, or the one ENGINE_CLASS_ENV names."""
+    spec = os.environ.get(ENGINE_CLASS_ENV, "").strip()
+    if not spec:
+        from .engine import LLMEngine
+        return LLMEngine
+    import importlib
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"{ENGINE_CLASS_ENV}={spec!r}: must be module:Class")
+    return getattr(importlib.import_module(module), name)
+
+
 # Kill switch: forces the synchronous token path everywhere, whatever the config says.
 FORCE_SYNC_ENV = "BACKEND_LIB_FORCE_SYNC"
 # Log level of the backend_lib logger (DEBUG, INFO, ...).

@@ -845,6 +845,10 @@ def parse_args(argv=None):
                          "the model has a tokenizer (not the presets), and 'genai' is in --parts")
     ap.add_argument("--genai-points", default=None,
                     help="SAMPLING:C,... genai-perf points (default: every sampling x concurrency)")
+    ap.add_argument("--emulated-step-us", type=float, default=0.0,
+                    help="the llm model's engine process runs bench/emulated_engine.py (no model: a token "
+                         "per running request every this many µs) instead of the engine; parts triton "
+                         "and inproc-process only: the serving path at GPU speed without a GPU")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds: points not started by then are skipped (and listed); 0: no limit")
@@ -960,6 +964,19 @@ class Report:
         return table
 
 
+def emulate_engine(a) -> None:
+    """--emulated-step-us: the engine processes this run starts (Triton's llm, inproc-process)
+    inherit the environment that makes them build bench/emulated_engine.py's engine."""
+    from backend_lib.envs import ENGINE_CLASS_ENV
+    from bench.emulated_engine import STEP_US_ENV
+    other = sorted(set(a.parts) - {"triton", "inproc-process"})
+    if other:
+        raise SystemExit(f"--emulated-step-us: parts {','.join(other)} run no engine process (use "
+                         "--parts triton,inproc-process)")
+    os.environ[ENGINE_CLASS_ENV] = "bench.emulated_engine:EmulatedEngine"
+    os.environ[STEP_US_ENV] = f"{a.emulated_step_us:g}"
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.out_dir.mkdir(parents=True, exist_ok=True)
@@ -970,6 +987,9 @@ def main(argv=None) -> int:
     a.genai_perf = genai_perf_usable(a, model)
     name = a.preset or Path(model).name
     log(f"model {name} ({model}), engine {a.engine}: " + ", ".join(f"{k}={v}" for k, v in params.items()))
+    if a.emulated_step_us:
+        emulate_engine(a)
+        name += f" (emulated engine, {a.emulated_step_us:g} µs/step)"
     busy = GpuBusy(a.device == "cuda")
     report = Report(a, params, name)
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
