@@ -149,10 +149,15 @@ class EngineProcessClient(OutputSinks):
                                 self.config.max_stop_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    callback: Optional[Callback] = None) -> RequestStream:
-        if not self.is_healthy():
+                    callback: Optional[Callback] = None, validated: bool = False) -> RequestStream:
+        """validated: as AsyncEngine.add_request's."""
+        # Not is_healthy(): its waitpid releases the GIL, and taking it back waits behind this
+        # process's busy threads, per request. A core that died unseen fails the send below
+        # (or the batch's check after it).
+        if self.error is not None or not self._reader_alive():
             raise RuntimeError(f"engine is not healthy: {self.error!r}")
-        ids = self.validate(prompt_token_ids, params)  # errors raise here, synchronously
+        # errors raise here, synchronously
+        ids = prompt_token_ids if validated else self.validate(prompt_token_ids, params)
         stream = self._register(request_id, callback)
         cmd = (wire.ADD, request_id, ids, params)
         batch = getattr(self._batch, "cmds", None)

@@ -294,7 +294,7 @@ def parse_token_requests(arrays: Arrays) -> list[TokenRow]:
     batch = ids.shape[0]
     out = []
     for b in range(batch):
-        prompt = [int(t) for t in ids[b]]
+        prompt = ids[b].tolist()
         n = _int(arrays, ("input_lengths",), b, batch)
         if n is not None:
             if not (0 <= n <= len(prompt)):

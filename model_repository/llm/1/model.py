@@ -265,8 +265,8 @@ class TritonPythonModel:
             reject_unknown_parameters(request.parameters())
             rows = parse_token_requests(arrays)
             params = [r.sampling.to_params() for r in rows]
-            for r, p in zip(rows, params):  # every row before any reaches the engine
-                self.engine.validate(r.prompt_ids, p)
+            # every row before any reaches the engine
+            prompts = [self.engine.validate(r.prompt_ids, p) for r, p in zip(rows, params)]
             group = _Group(sender, len(rows), bls, _requested_outputs(request))
             ctxs = [_Inflight(f"{self.instance}-{next(self._ids)}", group, r) for r in rows]
             group.rows = ctxs
@@ -278,8 +278,8 @@ class TritonPythonModel:
                     self._by_key[tid] = group
             added = 0
             try:
-                for ctx, r, p in zip(ctxs, rows, params):
-                    self.engine.add_request(ctx.rid, r.prompt_ids, p, callback=self._on_output)
+                for ctx, prompt, p in zip(ctxs, prompts, params):
+                    self.engine.add_request(ctx.rid, prompt, p, callback=self._on_output, validated=True)
                     added += 1
             except BaseException as e:
                 with self._lock:
