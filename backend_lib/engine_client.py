@@ -44,6 +44,7 @@ from .engine import EngineStats
 from .interpreter import python_executable
 from .os_threads import NamedThread
 from .request import FinishReason, RequestOutput, SamplingParams, validate_request
+from .wire_reader import FrameReader
 
 logger = logging.getLogger("backend_lib")
 
@@ -151,10 +152,7 @@ class EngineProcessClient(OutputSinks):
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     callback: Optional[Callback] = None, validated: bool = False) -> RequestStream:
         """validated: as AsyncEngine.add_request's."""
-        # Not is_healthy(): its waitpid releases the GIL, and taking it back waits behind this
-        # process's busy threads, per request. A core that died unseen fails the send below
-        # (or the batch's check after it).
-        if self.error is not None or not self._reader_alive():
+        if not self._usable():
             raise RuntimeError(f"engine is not healthy: {self.error!r}")
         # errors raise here, synchronously
         ids = prompt_token_ids if validated else self.validate(prompt_token_ids, params)
@@ -169,7 +167,7 @@ class EngineProcessClient(OutputSinks):
             sent = True
         except OSError:
             sent = False
-        if not sent or not self.is_healthy():
+        if not sent or not self._usable():
             # Died meanwhile. Either the fail-all has already given this request its final
             # (error) output, or it never will: then raise, and the caller answers it.
             with self._lock:
@@ -202,7 +200,7 @@ class EngineProcessClient(OutputSinks):
     def _send_batch(self, cmds: list) -> None:
         try:
             self._send(cmds)
-            if self.is_healthy():
+            if self._usable():
                 return
             why = f"engine is not healthy: {self.error!r}"
         except OSError:
@@ -226,6 +224,14 @@ class EngineProcessClient(OutputSinks):
 
     def is_healthy(self) -> bool:
         return self.error is None and self._reader_alive() and self._proc.poll() is None
+
+    def _usable(self) -> bool:
+        """is_healthy() without its waitpid, for the per-request paths: a system call releases
+        the stub's GIL, and taking it back waits behind its busy threads. Enough where the
+        request is registered before the check: a core that died unseen has not failed every
+        request yet (the reader sets `error` before its fail-all, or the stop's `_stopping`
+        refuses registrations), and its reader will fail this one too."""
+        return self.error is None and self._reader_alive()
 
     def _reader_alive(self) -> bool:
         r = getattr(self, "_reader", None)
@@ -330,13 +336,11 @@ class EngineProcessClient(OutputSinks):
         # go out one at a time, the socket read again between two callbacks (one delivery
         # thread: this one; more: helpers, and this thread only reads).
         waiting = self._delivery()
+        frames = FrameReader(self._conn.fileno())
         heard = time.monotonic()  # the core's last message, or the last moment with nothing in flight
         try:
             while True:
-                try:
-                    ready = self._conn.poll(0 if waiting.reader_has_work() else STALL_POLL_S)
-                except (EOFError, OSError):
-                    break
+                ready = frames.ready(0 if waiting.reader_has_work() else STALL_POLL_S)
                 if not ready:
                     if waiting.reader_has_work():
                         waiting.deliver_one()
@@ -344,26 +348,14 @@ class EngineProcessClient(OutputSinks):
                         heard = self._check_wedged(heard)
                     continue
                 heard = time.monotonic()
-                msgs, ended = self._read_available()
-                self._take(msgs, waiting)
-                if ended:
+                self._take(frames.read(MAX_MESSAGES_PER_PASS), waiting)
+                if frames.ended():
                     break
                 if waiting.reader_has_work():  # one callback per read at least, however fast messages come
                     waiting.deliver_one()
         finally:
             waiting.close()  # what the core sent before it went away
         self._core_gone()
-
-    def _read_available(self) -> tuple[list, bool]:
-        """The messages readable now (at most MAX_MESSAGES_PER_PASS), and whether the socket
-        ended after them (the messages read before the end still count)."""
-        msgs: list = []
-        try:
-            while len(msgs) < MAX_MESSAGES_PER_PASS and (not msgs or self._conn.poll(0)):
-                msgs.append(self._conn.recv())
-        except (EOFError, OSError):
-            return msgs, True
-        return msgs, False
 
     def _take(self, msgs: list, waiting: Delivery) -> None:
         for msg in msgs:
