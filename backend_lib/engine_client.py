@@ -336,7 +336,7 @@ class EngineProcessClient(OutputSinks):
         # go out one at a time, the socket read again between two callbacks (one delivery
         # thread: this one; more: helpers, and this thread only reads).
         waiting = self._delivery()
-        frames = FrameReader(self._conn.fileno())
+        frames = self._frame_reader()
         heard = time.monotonic()  # the core's last message, or the last moment with nothing in flight
         try:
             while True:
@@ -356,6 +356,9 @@ class EngineProcessClient(OutputSinks):
         finally:
             waiting.close()  # what the core sent before it went away
         self._core_gone()
+
+    def _frame_reader(self) -> FrameReader:
+        return FrameReader(self._conn.fileno())
 
     def _take(self, msgs: list, waiting: Delivery) -> None:
         for msg in msgs:

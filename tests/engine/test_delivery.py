@@ -17,20 +17,29 @@ LATER = RequestOutput("s0", [8], False, num_prompt_tokens=3, num_output_tokens=6
 WANT = ["s0", "p"] + [f"s{i}" for i in range(1, 12)] + ["s0"]
 
 
-class _ScriptedConn:
-    """The core's socket: each message becomes readable once `after` callbacks have run; then
-    end of file (readable, and recv raises), as a closed socket."""
+class _ScriptedFrames:
+    """The core's socket as wire_reader.FrameReader reads it: each message becomes readable once
+    `after` callbacks have run; then the end (readable; a read finds nothing and sees it)."""
 
     def __init__(self, script, delivered):
-        self.script, self.delivered = list(script), delivered
+        self.script, self.delivered, self.eof = list(script), delivered, False
 
-    def poll(self, timeout=0.0):
-        return not self.script or len(self.delivered) >= self.script[0][0]
+    def _readable(self):
+        return bool(self.script) and len(self.delivered) >= self.script[0][0]
 
-    def recv(self):
+    def ready(self, timeout=0.0):
+        return not self.script or self._readable()
+
+    def read(self, max_messages):
         if not self.script:
-            raise EOFError
-        return self.script.pop(0)[1]
+            self.eof = True
+        msgs = []
+        while len(msgs) < max_messages and self._readable():
+            msgs.append(self.script.pop(0)[1])
+        return msgs
+
+    def ended(self):
+        return self.eof
 
 
 def _steps(*outs):
@@ -40,7 +49,8 @@ def _steps(*outs):
 def test_the_engine_process_reader_lets_a_first_token_overtake_the_backlog():
     delivered = []
     c = EngineProcessClient.__new__(EngineProcessClient)
-    c._conn = _ScriptedConn([(0, _steps(*BACKLOG)), (1, _steps(FIRST)), (5, _steps(LATER))], delivered)
+    frames = _ScriptedFrames([(0, _steps(*BACKLOG)), (1, _steps(FIRST)), (5, _steps(LATER))], delivered)
+    c._frame_reader = lambda: frames
     c._merge_queued, c._delivery_threads, c._stall_s, c._sinks, c._lock = True, 1, 60.0, {}, threading.Lock()
     c._deliver = delivered.append
     c._core_gone = lambda: None
@@ -74,8 +84,9 @@ def test_a_stats_reply_does_not_flush_the_backlog():
     before them."""
     delivered, controls = [], []
     c = EngineProcessClient.__new__(EngineProcessClient)
-    c._conn = _ScriptedConn([(0, _steps(*BACKLOG)), (1, (wire.STATS, 7, None)), (1, _steps(FIRST)),
-                             (5, _steps(LATER)), (6, (wire.STOPPED,))], delivered)
+    frames = _ScriptedFrames([(0, _steps(*BACKLOG)), (1, (wire.STATS, 7, None)), (1, _steps(FIRST)),
+                              (5, _steps(LATER)), (6, (wire.STOPPED,))], delivered)
+    c._frame_reader = lambda: frames
     c._merge_queued, c._delivery_threads, c._stall_s, c._sinks, c._lock = True, 1, 60.0, {}, threading.Lock()
     c._deliver = delivered.append
     c._control = lambda msg: controls.append((msg[0], len(delivered)))
