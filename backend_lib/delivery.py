@@ -22,20 +22,29 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict, deque
-from typing import Callable, Collection, Iterable, Optional
+from typing import Callable, Collection, Iterable, Optional, Union
 
+from . import engine_wire as wire
 from .os_threads import NamedThread
 from .request import RequestOutput
+
+_WIRE_FINISHED = wire.OUTPUT_FIELDS.index("finished")
 
 
 @dataclasses.dataclass
 class _Pending:
-    latest: RequestOutput            # the sequence's newest output: its state and flags
+    # the sequence's newest output (its state and flags): a RequestOutput, or the engine
+    # process's wire tuple of one, decoded only when the merged output is handed out
+    latest: Union[RequestOutput, tuple]
     tokens: list[int]
     logprobs: Optional[list]
 
     def merged(self) -> RequestOutput:
-        return dataclasses.replace(self.latest, new_token_ids=self.tokens, new_logprobs=self.logprobs)
+        latest = self.latest if isinstance(self.latest, RequestOutput) else wire.decode_output(self.latest)
+        return dataclasses.replace(latest, new_token_ids=self.tokens, new_logprobs=self.logprobs)
+
+    def finished(self) -> bool:
+        return self.latest.finished if isinstance(self.latest, RequestOutput) else self.latest[_WIRE_FINISHED]
 
 
 def _is_first(out: RequestOutput) -> bool:
@@ -76,6 +85,25 @@ class DeliveryQueue:
         if out.finished:
             self._ended[rid] = None
 
+    def add_wire(self, t: tuple) -> None:
+        """add() of an output as engine_wire encodes it. The common case behind a lagging
+        sender, a sequence's next tokens merged into what already waits, takes the tokens
+        without decoding the tuple (a RequestOutput per row per step cost the Triton stub's
+        reader ~0.7 µs a row, holding the GIL its sender and execute() wait for)."""
+        rid, toks, finished, reason, _, _, error, lps, _, index = t  # engine_wire.OUTPUT_FIELDS
+        if rid in self._ended:
+            return  # nothing after a request's final output
+        p = self._pending.get((rid, index))
+        if p is None or finished or reason is not None or error is not None:
+            self.add(wire.decode_output(t))
+            return
+        p.latest = t
+        p.tokens.extend(toks)
+        if lps is not None:
+            if p.logprobs is None:
+                p.logprobs = []
+            p.logprobs.extend(lps)
+
     def pop(self, busy: Collection[str] = ()) -> Optional[RequestOutput]:
         """The most urgent waiting output of a request not in `busy` (None when there is none).
         Skipping a busy request costs one look per busy request: `busy` is a thread each."""
@@ -87,7 +115,7 @@ class DeliveryQueue:
             if rid in busy:
                 continue
             keys = self._keys_of[rid]
-            key = next((k for k in keys if not self._pending[k].latest.finished), None)
+            key = next((k for k in keys if not self._pending[k].finished()), None)
             if key is None:  # only the final output is left
                 key = next(iter(keys))
                 del self._ended[rid]
@@ -135,6 +163,13 @@ class Delivery:
         with self._cond:
             for out in outs:
                 self._queue.add(out)
+            self._cond.notify(len(self._helpers))
+
+    def add_wire(self, outs: Iterable[tuple]) -> None:
+        """add() of outputs as engine_wire encodes them (DeliveryQueue.add_wire)."""
+        with self._cond:
+            for t in outs:
+                self._queue.add_wire(t)
             self._cond.notify(len(self._helpers))
 
     def reader_has_work(self) -> bool:

@@ -174,3 +174,55 @@ def test_delivery_threads_out_of_range_name_the_parameter():
     with pytest.raises(ValueError, match="parameter 'delivery_threads' must be an integer from 1 to 16, not '0'"):
         delivery_threads(cfg)
     assert delivery_threads({"parameters": {"delivery_threads": {"string_value": "4"}}}) == 4
+
+
+def test_outputs_added_as_wire_tuples_come_out_as_added_as_outputs():
+    """DeliveryQueue.add_wire (the engine process's reader: rows merged without decoding) hands
+    out what add of the decoded outputs does, pop for pop: first tokens, merged tokens and
+    logprobs of n > 1 sequences, finish reasons, errors, aborts, the final output last, nothing
+    after it (a stray output after the final is dropped); pops interleaved with the adds at random points."""
+    import random
+    from backend_lib.delivery import DeliveryQueue
+    from backend_lib.request import FinishReason
+    rng = random.Random(5)
+    for trial in range(40):
+        made = {}
+        outs = []
+        for step in range(30):
+            for r in range(6):
+                rid = f"t{trial}-{r}"
+                if rid in made and made[rid] is None:  # ended: a stray output is dropped
+                    if rng.random() < 0.2:
+                        outs.append(RequestOutput(rid, [99], False, None, 3, 99, index=rng.randrange(2)))
+                    continue
+                n = made.setdefault(rid, 0)
+                index = rng.randrange(2)
+                roll = rng.random()
+                lps = [{7 + n: -0.5}] if r % 2 else None
+                if roll < 0.05:
+                    out = RequestOutput(rid, [], True, FinishReason.ABORT, 3, n)
+                elif roll < 0.08:
+                    out = RequestOutput(rid, [], True, FinishReason.ERROR, 3, n, error="engine failed")
+                elif roll < 0.15 and n > 2:
+                    out = RequestOutput(rid, [7 + n], True, FinishReason.LENGTH, 3, n + 1, None, lps, -1.0 * n, index)
+                elif roll < 0.2 and n > 2:  # one sequence of n > 1 ends, the request goes on
+                    out = RequestOutput(rid, [7 + n], False, FinishReason.STOP, 3, n + 1, None, lps, -1.0 * n, index)
+                else:
+                    out = RequestOutput(rid, [7 + n], False, None, 3, n + 1, None, lps, -1.0 * n, index)
+                made[rid] = None if out.finished else n + 1
+                outs.append(out)
+            outs.append("pop")
+        by_output, by_wire = DeliveryQueue(), DeliveryQueue()
+        got_output, got_wire = [], []
+        for o in outs:
+            if o == "pop":
+                for _ in range(rng.randrange(4)):
+                    got_output.append(by_output.pop())
+                    got_wire.append(by_wire.pop())
+                continue
+            by_output.add(o)
+            by_wire.add_wire(wire.encode_output(o))
+        got_output += by_output.drain()
+        got_wire += by_wire.drain()
+        assert got_wire == got_output
+        assert any(o is not None and len(o.new_token_ids) > 1 for o in got_wire)  # merges happened
