@@ -43,6 +43,15 @@ class _Pending:
         latest = self.latest if isinstance(self.latest, RequestOutput) else wire.decode_output(self.latest)
         return dataclasses.replace(latest, new_token_ids=self.tokens, new_logprobs=self.logprobs)
 
+    def merge(self, latest: Union[RequestOutput, tuple], tokens: list[int], logprobs: Optional[list]) -> None:
+        """A newer output of the sequence: its state, and its tokens after those waiting."""
+        self.latest = latest
+        self.tokens.extend(tokens)
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
+
     def finished(self) -> bool:
         return self.latest.finished if isinstance(self.latest, RequestOutput) else self.latest[_WIRE_FINISHED]
 
@@ -76,12 +85,7 @@ class DeliveryQueue:
                                           list(out.new_logprobs) if out.new_logprobs is not None else None)
             self._keys_of.setdefault(rid, {})[key] = None
         else:
-            p.latest = out
-            p.tokens.extend(out.new_token_ids)
-            if out.new_logprobs is not None:
-                if p.logprobs is None:
-                    p.logprobs = []
-                p.logprobs.extend(out.new_logprobs)
+            p.merge(out, out.new_token_ids, out.new_logprobs)
         if out.finished:
             self._ended[rid] = None
 
@@ -97,12 +101,7 @@ class DeliveryQueue:
         if p is None or finished or reason is not None or error is not None:
             self.add(wire.decode_output(t))
             return
-        p.latest = t
-        p.tokens.extend(toks)
-        if lps is not None:
-            if p.logprobs is None:
-                p.logprobs = []
-            p.logprobs.extend(lps)
+        p.merge(t, toks, lps)
 
     def pop(self, busy: Collection[str] = ()) -> Optional[RequestOutput]:
         """The most urgent waiting output of a request not in `busy` (None when there is none).

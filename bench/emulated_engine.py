@@ -14,6 +14,7 @@ Triton, the stub, the engine process's wire and delivery, the client (bench/serv
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import OrderedDict, deque
@@ -43,7 +44,7 @@ class _Scheduler:
 
     @property
     def requests(self) -> list[str]:
-        return list(self._engine._waiting_ids()) + list(self._engine._running)
+        return [r.rid for r in self._engine._waiting] + list(self._engine._running)
 
 
 class EmulatedEngine:
@@ -65,9 +66,6 @@ class EmulatedEngine:
         # never an EOS or a special id: a band of ordinary ids
         self._ids = [i for i in range(min(self.vocab_size, 1000)) if i not in self.eos_token_ids][10:]
 
-    def _waiting_ids(self):
-        return (r.rid for r in self._waiting)
-
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         ids = validate_request(prompt_token_ids, params, self.max_model_len, self.vocab_size,
                                self.config.max_stop_token_ids)
@@ -83,9 +81,7 @@ class EmulatedEngine:
         return bool(self._waiting or self._running or self._aborted)
 
     def stats(self) -> EngineStats:
-        s = self._stats
-        s.num_running, s.num_waiting = len(self._running), len(self._waiting)
-        return EngineStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
+        return dataclasses.replace(self._stats, num_running=len(self._running), num_waiting=len(self._waiting))
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
