@@ -411,6 +411,8 @@ def run_mixed_burst(args, params, vocab, busy: GpuBusy, report: "Report") -> Non
 
 # A variant's pseudo-parameter: the llm model's dynamic_batching block with this queue delay (µs).
 DYNAMIC_BATCHING = "_dynamic_batching_delay_us"
+# A variant's pseudo-parameter: the llm model's instance_group count (stub processes).
+INSTANCES = "_instances"
 
 
 def _copy_model(root: Path, model: str, params: dict[str, str]) -> None:
@@ -423,6 +425,10 @@ def _copy_model(root: Path, model: str, params: dict[str, str]) -> None:
     delay_us = params.pop(DYNAMIC_BATCHING, None)
     if delay_us is not None:  # Triton's scheduler hands execute() every request queued meanwhile
         cfg += f"dynamic_batching {{ max_queue_delay_microseconds: {int(delay_us)} }}\n"
+    instances = params.pop(INSTANCES, None)
+    if instances is not None:
+        cfg, n = re.subn(r"(instance_group \[ \{ count: )\d+", rf"\g<1>{int(instances)}", cfg)
+        assert n == 1, f"{model}/config.pbtxt: no instance_group count to set"
     for k, v in params.items():
         line = f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}'
         pat = re.compile(r'^parameters \{ key: "' + re.escape(k) + r'" .*$', re.M)
@@ -819,7 +825,7 @@ def parse_args(argv=None):
     ap.add_argument("--variant", action="append", type=_variant, dest="variants",
                     help="NAME[:k=v,...]: one Triton server per variant with these llm parameters "
                          "(e.g. 'coalesce-off:stream_coalesce=off'; _dynamic_batching_delay_us=N adds llm's "
-                         "dynamic_batching block); default one, as configured")
+                         "dynamic_batching block, _instances=N sets its instance_group count); default one, as configured")
     ap.add_argument("--burst-mixed-graphs", type=lambda s: [x for x in s.split(",") if x], default=None,
                     help="burst part: run it for each of these cuda_graph_mixed values (e.g. off,on; "
                          "default: as configured)")
