@@ -1,16 +1,17 @@
 """The engine core process: LLMEngine's step loop with nothing else competing for its GIL.
 
-    python -m backend_lib.engine_core FD PARENT_PID
+    python -m backend_lib.engine_core FD PARENT_PID [LISTEN_FD SERVER_PID]
 
 started by EngineProcessClient (backend_lib/engine_client.py) with one end of a socketpair as
-FD. Threads here:
+FD; a shared core also takes clients on LISTEN_FD (backend_lib/core_clients.py). Threads here:
   - main: the engine loop (drain commands, step, hand the step's outputs to the writer);
-  - reader: receives the parent's command lists into a queue (blocks in recv, GIL released);
-  - writer: encodes and sends everything the loop produced since its last write as ONE message.
-The process ends when the parent says stop, when the engine loop dies (after telling the
-parent), when the parent kills it, or when the parent is gone: the socket closes (reader sees
-EOF) or, on Linux, the kernel's parent-death signal (SIGKILL) fires. SIGINT and SIGTERM are
-ignored (they reach process groups; the parent decides).
+  - a reader per client: receives its command lists into a queue (blocks in recv, GIL released);
+  - writer: encodes and sends everything the loop produced since its last write, one message a
+    client.
+The process ends when the last client says stop, when the engine loop dies (after telling the
+clients), when the parent kills it, or when the clients are gone: the sockets close (readers see
+EOF) or, on Linux, the kernel's parent-death signal (SIGKILL) fires (a shared core: the server's
+end). SIGINT and SIGTERM are ignored (they reach process groups; the clients decide).
 """
 from __future__ import annotations
 
@@ -19,17 +20,19 @@ import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from typing import Optional
 
 from . import engine_wire as wire
-from .os_threads import NamedThread, name_os_thread
+from .core_clients import GONE, Clients, Writer, die_with_process
+from .os_threads import name_os_thread
 
 logger = logging.getLogger("backend_lib")
 
 PR_SET_PDEATHSIG = 1
-_PARENT_GONE = object()
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -39,63 +42,6 @@ def _die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
-
-
-class _Writer:
-    """The one thread that encodes and writes what goes to the parent; the engine loop only enqueues."""
-
-    def __init__(self, conn: Connection):
-        self.conn = conn
-        self.q: "queue.SimpleQueue[object]" = queue.SimpleQueue()
-        self.thread = NamedThread(target=self._main, name="core-writer", daemon=True)
-        self.thread.start()
-
-    def steps(self, outs) -> None:
-        if outs:
-            self.q.put(outs)  # encoded on the writer thread, while the loop waits on the device
-
-    def control(self, msg: tuple) -> None:
-        self.q.put(msg)
-
-    def close(self, timeout: float = 10.0) -> None:
-        self.q.put(None)
-        self.thread.join(timeout)
-
-    def _main(self) -> None:
-        while True:
-            items = [self.q.get()]
-            while True:  # everything queued meanwhile goes in the same write
-                try:
-                    items.append(self.q.get_nowait())
-                except queue.Empty:
-                    break
-            steps: list = []
-            try:
-                for item in items:
-                    if isinstance(item, list):
-                        steps.append([wire.encode_output(o) for o in item])
-                        continue
-                    if steps:
-                        self.conn.send((wire.STEPS, steps))
-                        steps = []
-                    if item is None:
-                        return
-                    self.conn.send(item)
-                if steps:
-                    self.conn.send((wire.STEPS, steps))
-            except OSError:  # the parent is gone: nobody to deliver to
-                os._exit(1)
-
-
-def _reader_main(conn: Connection, cmds: "queue.SimpleQueue[object]") -> None:
-    while True:
-        try:
-            batch = conn.recv()
-        except (EOFError, OSError):
-            cmds.put(_PARENT_GONE)
-            return
-        for cmd in batch:
-            cmds.put(cmd)
 
 
 def _host_threads(config) -> None:
@@ -109,8 +55,9 @@ def _host_threads(config) -> None:
         torch.set_num_threads(1)
 
 
-def serve(conn: Connection) -> int:
-    """Build the engine from the START message, then run the loop until stop. Returns the exit code."""
+def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
+    """Build the engine from the START message, then run the loop until stop. Returns the exit
+    code. listener: a shared core's socket for more clients (core_clients)."""
     from .envs import engine_class
     from .fault_hook import fail_after_steps
     from .request import FinishReason, RequestOutput
@@ -126,24 +73,37 @@ def serve(conn: Connection) -> int:
     except BaseException as e:  # noqa: BLE001 - re-raised in the parent
         conn.send((wire.STARTUP_ERROR, type(e).__name__, str(e), traceback.format_exc()))
         return 1
-    conn.send((wire.READY, {"vocab_size": eng.vocab_size, "max_model_len": eng.max_model_len,
-                            "eos_token_ids": tuple(eng.eos_token_ids), "pid": os.getpid()}))
-    cmds: "queue.SimpleQueue[object]" = queue.SimpleQueue()
-    NamedThread(target=_reader_main, args=(conn, cmds), name="core-reader", daemon=True).start()
-    out = _Writer(conn)
+    info = {"vocab_size": eng.vocab_size, "max_model_len": eng.max_model_len,
+            "eos_token_ids": tuple(eng.eos_token_ids), "pid": os.getpid()}
+    conn.send((wire.READY, info))
+    cmds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+    clients = Clients(cmds)
+    out = Writer(clients, on_last_client_lost=lambda: os._exit(1))  # nobody to deliver to
+    clients.attach(conn)
+    if listener is not None:
+        clients.listen(listener, info)
 
-    def drain(block: bool) -> object:
-        """Apply queued commands; returns wire.STOP / _PARENT_GONE when one ends the loop."""
-        try:
-            cmd = cmds.get() if block else cmds.get_nowait()
-        except queue.Empty:
+    def detach(cid: int, gone: bool) -> Optional[str]:
+        """The client leaves (STOP) or is gone (EOF): its requests end. "stop" when it was the
+        last client that asked (the engine stops), "exit" when the last one is gone."""
+        for rid in clients.detach(cid, gone):
+            eng.abort(rid)
+        if clients.remaining():
+            out.wake()
             return None
-        while True:
-            if cmd is _PARENT_GONE:
-                return cmd
+        clients.close_listener()
+        return "stop" if clients.conns else "exit"
+
+    def apply(cid: int, batch) -> Optional[str]:
+        """One client's command list, in order."""
+        if batch is GONE:
+            return detach(cid, gone=True)
+        owner = clients.owner
+        for cmd in batch:
             kind = cmd[0]
             if kind == wire.ADD:
                 _, rid, prompt, params = cmd
+                owner[rid] = cid  # before the engine can make an output for it
                 try:
                     eng.add_request(rid, prompt, params)
                 except ValueError as e:
@@ -151,30 +111,43 @@ def serve(conn: Connection) -> int:
             elif kind == wire.ABORT:
                 eng.abort(cmd[1])
             elif kind == wire.STATS:
-                out.control((wire.STATS, cmd[1], eng.stats()))
+                out.control((wire.STATS, cmd[1], eng.stats()), cid)
             elif kind == wire.STOP:
-                return wire.STOP
+                return detach(cid, gone=False)
+        return None
+
+    def drain(block: bool) -> Optional[str]:
+        """Apply queued commands; "stop" / "exit" when one ends the loop."""
+        try:
+            item = cmds.get() if block else cmds.get_nowait()
+        except queue.Empty:
+            return None
+        while True:
+            ended = apply(*item)
+            if ended:
+                return ended
             try:
-                cmd = cmds.get_nowait()
+                item = cmds.get_nowait()
             except queue.Empty:
                 return None
 
     try:
         while True:
             ended = drain(block=not eng.has_unfinished())
-            if ended is _PARENT_GONE:
+            if ended == "exit":
                 return 0
-            if ended == wire.STOP:
+            if ended == "stop":
                 for rid in list(eng.scheduler.requests):
                     eng.abort(rid)
                 while eng.has_unfinished() or eng.scheduler.has_pending_outputs:
                     out.steps(eng.step())
-                out.control((wire.STOPPED,))
+                out.control((wire.STOPPED,))  # to any client not released yet
                 out.close()
                 return 0
             out.steps(eng.step())
-    except BaseException as e:  # noqa: BLE001 - engine death: the parent fails every request
+    except BaseException as e:  # noqa: BLE001 - engine death: the clients fail every request
         logger.exception("engine core loop died")
+        clients.close_listener()
         out.control((wire.DIED, repr(e)))
         out.close()
         return 1
@@ -186,18 +159,26 @@ def serve(conn: Connection) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """argv: FD PARENT_PID [LISTEN_FD SERVER_PID] (the second pair: a shared core)."""
     fd, parent_pid = int(argv[0]), int(argv[1])
-    _die_with_parent(parent_pid)
+    listener = None
+    if len(argv) >= 4:
+        # Shared by several clients: it outlives the one that spawned it (each client's socket
+        # closing detaches that client; the last one gone ends the core), not the server.
+        listener = socket.socket(fileno=int(argv[2]))
+        die_with_process(int(argv[3]))
+    else:
+        _die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group, and a SIGTERM to the group or cgroup (systemd's
     # KillMode=control-group) too, while Triton's stubs ignore both and the server drains its
-    # requests: the parent decides when the engine stops (it aborts the requests so that each
+    # requests: the clients decide when the engine stops (they abort their requests so that each
     # gets its final response), not the signal. The core still ends with its parent (EOF, and
     # the parent-death SIGKILL) and on the parent's kill.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     try:
-        return serve(conn)
+        return serve(conn, listener)
     except (EOFError, OSError):  # the parent went away during start-up
         return 1
 

@@ -1,0 +1,231 @@
+"""The engine core's clients: who is attached, which client each request belongs to, and the one
+thread that writes to them.
+
+One client is the EngineProcessClient that spawned the core (a socketpair). A shared core
+(several Triton model instances over one engine: `EngineProcessClient(share_key=...)`) also
+listens on an abstract Unix socket and takes more clients there; each then has its own reader
+thread. Requests carry ids unique across clients (the llm model prefixes its instance name).
+
+A client's STOP detaches it: its requests are aborted, their final outputs delivered, then it
+gets STOPPED and its socket closes. The last client's STOP stops the engine (engine_core); a
+client whose socket closes is detached without deliveries; the last one gone ends the core.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from multiprocessing.connection import Connection
+from typing import Callable, Optional
+
+from . import engine_wire as wire
+from .os_threads import NamedThread
+
+logger = logging.getLogger("backend_lib")
+
+# What a reader puts in the loop's command queue when its client's socket closes.
+GONE = None
+
+
+class Clients:
+    """The attached clients (cid -> Connection) and the owner of each request in the engine.
+    The loop registers a request's owner before the engine sees the request; the writer drops
+    it with the request's final output."""
+
+    def __init__(self, cmds: "queue.SimpleQueue[tuple]"):
+        self.cmds = cmds                        # (cid, command list | GONE) for the engine loop
+        self.conns: dict[int, Connection] = {}
+        self.owner: dict[str, int] = {}         # request id -> cid
+        self.detaching: set[int] = set()        # STOP received: STOPPED once its requests ended
+        self.lock = threading.Lock()
+        self.closing = False                    # the engine stops: nobody attaches any more
+        self._next_cid = 0
+        self._listener: Optional[socket.socket] = None
+
+    def attach(self, conn: Connection) -> Optional[int]:
+        """Register a connection and start its reader; None (connection closed) once closing."""
+        with self.lock:
+            if self.closing:
+                conn.close()
+                return None
+            cid = self._next_cid
+            self._next_cid += 1
+            self.conns[cid] = conn
+        NamedThread(target=self._read, args=(cid, conn), name=f"core-reader-{cid}", os_name="core-reader",
+                    daemon=True).start()
+        return cid
+
+    def detach(self, cid: int, gone: bool) -> list[str]:
+        """The client's requests (to abort). gone: its socket closed (nothing more is written to
+        it); else it waits for STOPPED. Afterwards `remaining()` says whether anyone is left."""
+        with self.lock:
+            if gone:
+                conn = self.conns.pop(cid, None)
+                self.detaching.discard(cid)
+                if conn is not None:
+                    conn.close()
+            elif cid in self.conns:
+                self.detaching.add(cid)
+            rids = [rid for rid, c in list(self.owner.items()) if c == cid]
+        return rids
+
+    def remaining(self) -> int:
+        """Clients attached and not detaching."""
+        with self.lock:
+            return len(self.conns) - len(self.detaching)
+
+    def close_listener(self) -> None:
+        """Stop taking clients (the engine stops)."""
+        with self.lock:
+            self.closing = True
+            lst, self._listener = self._listener, None
+        if lst is not None:
+            try:
+                lst.shutdown(socket.SHUT_RDWR)  # wakes the acceptor's accept()
+            except OSError:
+                pass
+            lst.close()
+
+    def listen(self, listener: socket.socket, ready_info: dict) -> None:
+        """Accept more clients on `listener` (already listening), each greeted with READY."""
+        self._listener = listener
+        NamedThread(target=self._accept, args=(listener, ready_info), name="core-acceptor", daemon=True).start()
+
+    def _accept(self, listener: socket.socket, ready_info: dict) -> None:
+        while True:
+            try:
+                s, _ = listener.accept()
+            except OSError:  # closed: the engine stops
+                return
+            conn = Connection(s.detach())
+            try:
+                conn.send((wire.READY, ready_info))
+            except OSError:
+                conn.close()
+                continue
+            self.attach(conn)
+
+    def _read(self, cid: int, conn: Connection) -> None:
+        while True:
+            try:
+                batch = conn.recv()
+            except (EOFError, OSError):
+                self.cmds.put((cid, GONE))
+                return
+            self.cmds.put((cid, batch))
+
+
+class Writer:
+    """The one thread that encodes outputs and writes to the clients; the engine loop only
+    enqueues. Everything queued since its last write goes out as one message per client."""
+
+    def __init__(self, clients: Clients, on_last_client_lost: Callable[[], None]):
+        self.clients = clients
+        self._lost = on_last_client_lost
+        self.q: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        self.thread = NamedThread(target=self._main, name="core-writer", daemon=True)
+        self.thread.start()
+
+    def steps(self, outs) -> None:
+        if outs:
+            self.q.put(outs)  # encoded on the writer thread, while the loop waits on the device
+
+    def control(self, msg: tuple, cid: Optional[int] = None) -> None:
+        """msg to client cid; None: to every client."""
+        self.q.put((cid, msg))
+
+    def wake(self) -> None:
+        """Look at the detaching clients again (one may have no request left)."""
+        self.q.put(())
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.q.put(None)
+        self.thread.join(timeout)
+
+    def _main(self) -> None:
+        while True:
+            items = [self.q.get()]
+            while True:  # everything queued meanwhile goes in the same write
+                try:
+                    items.append(self.q.get_nowait())
+                except queue.Empty:
+                    break
+            pending: dict[int, list] = {}  # cid -> steps not written yet
+            for item in items:
+                if isinstance(item, list):
+                    self._route(item, pending)
+                    continue
+                self._flush(pending)
+                if item is None:
+                    return
+                if item:
+                    cid, msg = item
+                    for c in ([cid] if cid is not None else list(self.clients.conns)):
+                        self._send(c, msg)
+            self._flush(pending)
+            if self.clients.detaching:
+                self._release_detached()
+
+    def _route(self, outs: list, pending: dict) -> None:
+        owner = self.clients.owner
+        by_client: dict[int, list] = {}
+        for o in outs:
+            cid = owner.pop(o.request_id, None) if o.finished else owner.get(o.request_id)
+            if cid is None:  # its client is gone (a shared core keeps no output for nobody)
+                continue
+            rows = by_client.get(cid)
+            if rows is None:
+                rows = by_client[cid] = []
+            rows.append(wire.encode_output(o))
+        for cid, rows in by_client.items():
+            pending.setdefault(cid, []).append(rows)
+
+    def _flush(self, pending: dict) -> None:
+        for cid, steps in pending.items():
+            self._send(cid, (wire.STEPS, steps))
+        pending.clear()
+
+    def _send(self, cid: int, msg: tuple) -> None:
+        conn = self.clients.conns.get(cid)
+        if conn is None:
+            return
+        try:
+            conn.send(msg)
+        except OSError:  # that client is gone; its reader sees EOF and the loop detaches it
+            with self.clients.lock:
+                self.clients.conns.pop(cid, None)
+                self.clients.detaching.discard(cid)
+                last = not self.clients.conns
+            if last:
+                self._lost()
+
+    def _release_detached(self) -> None:
+        """A detaching client whose requests have all ended gets STOPPED, and its socket closes."""
+        with self.clients.lock:
+            busy = set(self.clients.owner.values())
+            done = [cid for cid in self.clients.detaching if cid not in busy]
+        for cid in done:
+            self._send(cid, (wire.STOPPED,))
+            with self.clients.lock:
+                self.clients.detaching.discard(cid)
+                conn = self.clients.conns.pop(cid, None)
+            if conn is not None:
+                conn.close()
+
+
+def die_with_process(pid: int) -> None:
+    """End this process when process `pid` ends (a shared core outlives the client that spawned
+    it, not the server whose model instances it serves)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return
+
+    def watch() -> None:
+        import select
+        select.select([fd], [], [])
+        os._exit(1)
+
+    NamedThread(target=watch, name="core-watch", daemon=True).start()
