@@ -12,6 +12,7 @@ client whose socket closes is detached without deliveries; the last one gone end
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -27,6 +28,10 @@ logger = logging.getLogger("backend_lib")
 
 # What a reader puts in the loop's command queue when its client's socket closes.
 GONE = None
+# EngineStats' counters: each client's stats replies carry its share of them (below).
+COUNTER_FIELDS = ("prompt_tokens_total", "generation_tokens_total", "async_steps_total", "sync_steps_total",
+                  "num_preemptions", "prefill_tokens_total", "prefix_cache_queried_tokens_total",
+                  "prefix_cache_hit_tokens_total", "step_time_s", "wait_time_s")
 
 
 class Clients:
@@ -42,6 +47,8 @@ class Clients:
         self.lock = threading.Lock()
         self.closing = False                    # the engine stops: nobody attaches any more
         self._next_cid = 0
+        self._handed = dict.fromkeys(COUNTER_FIELDS, 0)   # counters given to any client so far
+        self._shares: dict[int, dict] = {}                # cid -> its counters (share())
         self._listener: Optional[socket.socket] = None
 
     def attach(self, conn: Connection) -> Optional[int]:
@@ -65,11 +72,23 @@ class Clients:
                 conn = self.conns.pop(cid, None)
                 self.detaching.discard(cid)
                 if conn is not None:
-                    conn.close()
+                    _hang_up(conn)
             elif cid in self.conns:
                 self.detaching.add(cid)
             rids = [rid for rid, c in list(self.owner.items()) if c == cid]
         return rids
+
+    def share(self, cid: int, stats):
+        """`stats` with each counter replaced by this client's share: what grew since any client
+        last asked goes to this one. The instances of a model export the counters they are
+        given into the same metrics, so the shares must add up to the engine's totals (each
+        exporting the totals would count everything once per instance). One client: the totals."""
+        mine = self._shares.setdefault(cid, dict.fromkeys(COUNTER_FIELDS, 0))
+        for f in COUNTER_FIELDS:
+            total = getattr(stats, f)
+            mine[f] += total - self._handed[f]
+            self._handed[f] = total
+        return dataclasses.replace(stats, **mine)
 
     def remaining(self) -> int:
         """Clients attached and not detaching."""
@@ -212,7 +231,17 @@ class Writer:
                 self.clients.detaching.discard(cid)
                 conn = self.clients.conns.pop(cid, None)
             if conn is not None:
-                conn.close()
+                _hang_up(conn)
+
+
+def _hang_up(conn: Connection) -> None:
+    """Close a client's socket so that its end sees EOF now: a plain close() leaves the socket
+    open while this side's reader thread is blocked in recv() on it."""
+    try:
+        socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
 
 
 def die_with_process(pid: int) -> None:

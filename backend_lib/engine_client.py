@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -60,9 +61,11 @@ MAX_MESSAGES_PER_PASS = 64
 
 class EngineProcessClient(OutputSinks):
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, merge_queued_outputs: bool = False,
-                 fault_after_steps: int = 0, delivery_threads: int = 1):
+                 fault_after_steps: int = 0, delivery_threads: int = 1, share_key: Optional[str] = None):
         """merge_queued_outputs, delivery_threads: as AsyncEngine's. fault_after_steps: test
-        hook, the core's engine loop raises after that many steps."""
+        hook, the core's engine loop raises after that many steps. share_key: clients of the
+        same key (in any process of this machine) share one core (`_join_shared_core`): the
+        llm model's instances; their request ids must differ."""
         self.config = config
         self._merge_queued = merge_queued_outputs
         self._delivery_threads = _checked_delivery_threads(delivery_threads)
@@ -78,6 +81,24 @@ class EngineProcessClient(OutputSinks):
         self._stats_waiting: dict[int, list] = {}   # seq -> [Event, EngineStats | None]
         self._last_stats = EngineStats()
         self._stall_s = envs.engine_stall_timeout_s()
+        self._proc: Optional[subprocess.Popen] = None  # the core, when this client started it
+        self._shared = share_key is not None
+        self._spawned, self._handshake = threading.Event(), threading.Event()
+        self._spawn_error: Optional[BaseException] = None
+        if share_key is None:
+            info = self._start_core(config, fault_after_steps, startup_timeout, listener=None)
+        else:
+            info = self._join_shared_core(share_key, config, fault_after_steps, startup_timeout)
+        self.vocab_size = info["vocab_size"]
+        self.max_model_len = info["max_model_len"]
+        self.eos_token_ids = info["eos_token_ids"]
+        self._ready = True
+        self._handshake.set()
+
+    def _start_core(self, config: EngineConfig, fault_after_steps: int, startup_timeout: float,
+                    listener: Optional[socket.socket]) -> dict:
+        """Spawn the core and wait for its READY. listener: a shared core's listening socket
+        (the core takes it; the server it watches is this process's parent)."""
         ours, theirs = socket.socketpair()
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S),
                                                                          int(SEND_TIMEOUT_S % 1 * 1e6)))
@@ -90,36 +111,92 @@ class EngineProcessClient(OutputSinks):
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                                   if p and p != _PACKAGE_PARENT])
         argv = [python_executable(), "-m", "backend_lib.engine_core", str(theirs.fileno()), str(os.getpid())]
+        fds = [theirs.fileno()]
+        if listener is not None:
+            argv += [str(listener.fileno()), str(os.getppid())]
+            fds.append(listener.fileno())
         # The core's parent-death signal fires when the THREAD that forked it ends, not this
         # process: the reader thread, which lives as long as the core, forks it (a client built
         # on a short-lived thread would otherwise lose its core with that thread).
-        self._spawned, self._handshake = threading.Event(), threading.Event()
-        self._spawn_error: Optional[BaseException] = None
-        self._reader = NamedThread(target=self._reader_thread, args=(argv, theirs.fileno(), env),
+        self._reader = NamedThread(target=self._reader_thread, args=(argv, tuple(fds), env),
                                     name="engine-proc-reader", os_name="engine-reader", daemon=True)
         self._reader.start()
         self._spawned.wait()
         theirs.close()
+        if listener is not None:
+            listener.close()  # the core's now: the name goes with the core
         if self._spawn_error is not None:
             ours.close()
             raise self._spawn_error
         self.pid = self._proc.pid
         self._conn = Connection(ours.detach())
-        # A client dropped without shutdown() (or an interpreter exit) must not leave the core running.
-        self._finalizer = weakref.finalize(self, _kill, self._proc)
+        # A client dropped without shutdown() (or an interpreter exit) must not leave the core
+        # running; a shared core ends when its last client's socket closes.
+        self._finalizer = weakref.finalize(self, _close, self._conn) if listener is not None else \
+            weakref.finalize(self, _kill, self._proc)
         try:
             self._send([(wire.START, config, int(fault_after_steps))])
-            info = self._await_ready(startup_timeout)
+            return self._await_ready(startup_timeout)
         except BaseException:
             self._finalizer()
             self._conn.close()
             self._handshake.set()  # the reader thread ends without reading
             raise
-        self.vocab_size = info["vocab_size"]
-        self.max_model_len = info["max_model_len"]
-        self.eos_token_ids = info["eos_token_ids"]
-        self._ready = True
-        self._handshake.set()
+
+    def _join_shared_core(self, share_key: str, config: EngineConfig, fault_after_steps: int,
+                          startup_timeout: float) -> dict:
+        """Attach to the core of `share_key` (an abstract Unix socket named after it), or start
+        it when there is none: the first client to bind the name spawns the core, the others
+        connect and wait for its READY. A core that fails to start, or stops while a client
+        connects, closes the name: the client tries again (and, binding it, raises the start-up
+        error itself)."""
+        name = _shared_socket_name(share_key)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                listener.bind(name)
+                listener.listen(64)
+            except OSError:
+                listener.close()
+            else:
+                return self._start_core(config, fault_after_steps, deadline - time.monotonic(), listener)
+            info = self._connect_shared(name, deadline)
+            if info is not None:
+                return info
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine did not start within {startup_timeout} s")
+            time.sleep(0.05)
+
+    def _connect_shared(self, name: bytes, deadline: float) -> Optional[dict]:
+        """READY's info from the core listening on `name`, this client attached; None when it
+        went away first."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(name)
+        except OSError:  # the name was just released
+            s.close()
+            return None
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
+        conn = Connection(s.detach())
+        try:
+            while not conn.poll(0.2):  # the core's READY comes once its engine is built
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the shared engine did not start in time")
+            msg = conn.recv()
+        except (EOFError, OSError):
+            conn.close()
+            return None
+        if msg[0] != wire.READY:
+            conn.close()
+            return None
+        self._conn = conn
+        self.pid = msg[1]["pid"]
+        self._finalizer = weakref.finalize(self, _close, conn)
+        self._reader = NamedThread(target=self._reader_thread, args=(None, (), None),
+                                    name="engine-proc-reader", os_name="engine-reader", daemon=True)
+        self._reader.start()
+        return msg[1]
 
     def _await_ready(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -223,7 +300,7 @@ class EngineProcessClient(OutputSinks):
             pass  # the core is gone: the request ends with the fail-all
 
     def is_healthy(self) -> bool:
-        return self.error is None and self._reader_alive() and self._proc.poll() is None
+        return self.error is None and self._reader_alive() and (self._proc is None or self._proc.poll() is None)
 
     def _usable(self) -> bool:
         """is_healthy() without its waitpid, for the per-request paths: a system call releases
@@ -283,11 +360,14 @@ class EngineProcessClient(OutputSinks):
             self._send([(wire.STOP,)], timeout=max(0.0, deadline - time.monotonic()))
         except OSError:
             pass
-        try:
-            self._proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.error("engine process (pid %d) did not stop within %.1f s; killing it", self.pid, timeout)
-            _kill(self._proc)
+        if not self._shared:
+            try:
+                self._proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.error("engine process (pid %d) did not stop within %.1f s; killing it", self.pid, timeout)
+                _kill(self._proc)
+        # (a shared core answers STOPPED once this client's requests have ended, closes this
+        # client's socket, and goes on for the others: the reader ends at that EOF)
         self._reader.join(max(0.0, deadline - time.monotonic()))
         if self._reader.is_alive():
             logger.error("engine output reader still busy in a callback after %.1f s", timeout)
@@ -316,17 +396,28 @@ class EngineProcessClient(OutputSinks):
             self.error = wire.EngineCoreError(f"EngineProcessWedged('engine process (pid {self.pid}) is wedged: "
                                               f"{why}')")
         logger.error("engine process (pid %d) is wedged (%s); killing it", self.pid, why)
-        _kill(self._proc)  # the reader then sees EOF and fails every request with self.error
+        self._kill_core()  # the reader then sees EOF and fails every request with self.error
 
-    def _reader_thread(self, argv: list, fd: int, env: dict) -> None:
-        """Fork the core, wait for the constructor's start-up handshake, then read."""
-        try:
-            self._proc = subprocess.Popen(argv, pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, close_fds=True)
-        except BaseException as e:  # noqa: BLE001 - raised by the constructor
-            self._spawn_error = e
+    def _kill_core(self) -> None:
+        if self._proc is not None:
+            _kill(self._proc)
             return
-        finally:
-            self._spawned.set()
+        try:  # a shared core another client started
+            os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def _reader_thread(self, argv: Optional[list], fds: tuple, env: Optional[dict]) -> None:
+        """Fork the core (argv None: attached to a running one), wait for the constructor's
+        start-up handshake, then read."""
+        if argv is not None:
+            try:
+                self._proc = subprocess.Popen(argv, pass_fds=fds, env=env, stdin=subprocess.DEVNULL, close_fds=True)
+            except BaseException as e:  # noqa: BLE001 - raised by the constructor
+                self._spawn_error = e
+                return
+            finally:
+                self._spawned.set()
         self._handshake.wait()
         if self._ready:
             self._reader_main()
@@ -415,7 +506,7 @@ class EngineProcessClient(OutputSinks):
         left ends as aborted); otherwise the core died and every request ends with an error."""
         if self.error is None and not (self._stopped_cleanly or self._stopping):
             try:
-                code = self._proc.wait(5)
+                code = self._proc.wait(5) if self._proc is not None else None
             except subprocess.TimeoutExpired:
                 code = None
             self.error = wire.EngineCoreError(f"EngineProcessDied('engine process (pid {self.pid}) "
@@ -427,7 +518,10 @@ class EngineProcessClient(OutputSinks):
             self._fail_all(FinishReason.ERROR, f"engine failed: {self.error!r}")
         else:
             self._fail_all(FinishReason.ABORT, None)
-        _kill(self._proc)  # a core that closed its socket but lingers
+        if not self._shared:
+            _kill(self._proc)  # a core that closed its socket but lingers
+        elif self._proc is not None:  # it serves others on: reaped when it ends
+            NamedThread(target=self._proc.wait, name="engine-proc-reaper", daemon=True).start()
 
 
 def _exit_text(code: Optional[int]) -> str:
@@ -439,6 +533,18 @@ def _exit_text(code: Optional[int]) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _shared_socket_name(share_key: str) -> bytes:
+    """The abstract Unix socket (Linux: no file, gone with its last holder) of a shared core."""
+    return b"\0backend_lib-engine-" + hashlib.sha256(share_key.encode()).hexdigest()[:32].encode()
+
+
+def _close(conn: Connection) -> None:
+    try:
+        conn.close()
+    except OSError:
+        pass
 
 
 def _kill(proc: subprocess.Popen) -> None:

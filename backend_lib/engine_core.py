@@ -111,7 +111,7 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
             elif kind == wire.ABORT:
                 eng.abort(cmd[1])
             elif kind == wire.STATS:
-                out.control((wire.STATS, cmd[1], eng.stats()), cid)
+                out.control((wire.STATS, cmd[1], clients.share(cid, eng.stats())), cid)
             elif kind == wire.STOP:
                 return detach(cid, gone=False)
         return None

@@ -158,6 +158,31 @@ def engine_config(model_config: Union[str, Mapping[str, Any]], model_dir: Option
     return EngineConfig.from_parameters(engine_params)
 
 
+def instance_count(model_config: Union[str, Mapping[str, Any]]) -> int:
+    """How many instances (stub processes) Triton runs of the model: instance_group counts summed."""
+    cfg = json.loads(model_config) if isinstance(model_config, str) else model_config
+    groups = cfg.get("instance_group") or [{}]
+    return sum(int(g.get("count", 1) or 1) for g in groups)
+
+
+def engine_share_key(model_config: Union[str, Mapping[str, Any]], engine_cfg, model_name: str,
+                     model_version: str) -> Optional[str]:
+    """The key under which a model's instances share one engine core
+    (EngineProcessClient(share_key=...)): None with one instance. It names the server (this
+    stub's parent), the model and version, the engine configuration and the checkpoint's files
+    (names, sizes, modification times): a reload that changes none of them attaches the new
+    instances to the running engine, one that changes any starts its own."""
+    if instance_count(model_config) <= 1:
+        return None
+    files = []
+    root = Path(engine_cfg.model_path)
+    if root.is_dir():
+        for f in sorted(root.iterdir()):
+            st = f.stat()
+            files.append([f.name, st.st_size, st.st_mtime_ns])
+    return json.dumps([os.getppid(), model_name, str(model_version), engine_cfg.to_json(), files])
+
+
 def glue_parameter(model_config: Union[str, Mapping[str, Any]], name: str) -> str:
     return llm_parameters(model_config).get(name, GLUE_PARAMETERS[name])
 

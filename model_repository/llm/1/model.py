@@ -200,9 +200,13 @@ class TritonPythonModel:
         # stream_coalesce=auto: when the sender lags the engine, a response carries every token
         # its sequence made while it waited, and first tokens and finals go ahead of the others
         # (backend_lib/delivery.py). Both re-raise the engine's start-up errors.
+        # Several instances (instance_group count) share one engine core: each stub sends and
+        # receives its own requests' tokens on its own GIL (bench/RESULTS.md).
+        kw = {} if in_process else {"share_key": glue_config.engine_share_key(self.model_config, cfg, self.name,
+                                                                              self.version)}
         engine_cls = AsyncEngine if in_process else EngineProcessClient
         self.engine = engine_cls(cfg, merge_queued_outputs=self.coalesce, fault_after_steps=fault_after,
-                                 delivery_threads=delivery_threads)
+                                 delivery_threads=delivery_threads, **kw)
         if fault_after > 0:
             self.logger.log_warn(f"[llm] test hook: the engine will fail after {fault_after} steps")
         self.logger.log_info(f"[llm] engine ready (vocab={self.engine.vocab_size}, "
