@@ -51,12 +51,21 @@ class Clients:
         self._shares: dict[int, dict] = {}                # cid -> its counters (share())
         self._listener: Optional[socket.socket] = None
 
-    def attach(self, conn: Connection) -> Optional[int]:
-        """Register a connection and start its reader; None (connection closed) once closing."""
+    def attach(self, conn: Connection, ready_info: Optional[dict] = None) -> Optional[int]:
+        """Register a connection (greeted with READY first when ready_info is given) and start its
+        reader; None (connection closed) once closing: the client then sees EOF before READY
+        and tries again. Registration and the READY write happen under the lock, so a client
+        that got READY is one the loop counts before it decides that the last one left."""
         with self.lock:
             if self.closing:
                 conn.close()
                 return None
+            if ready_info is not None:
+                try:
+                    conn.send((wire.READY, ready_info))
+                except OSError:
+                    conn.close()
+                    return None
             cid = self._next_cid
             self._next_cid += 1
             self.conns[cid] = conn
@@ -64,9 +73,10 @@ class Clients:
                     daemon=True).start()
         return cid
 
-    def detach(self, cid: int, gone: bool) -> list[str]:
-        """The client's requests (to abort). gone: its socket closed (nothing more is written to
-        it); else it waits for STOPPED. Afterwards `remaining()` says whether anyone is left."""
+    def detach(self, cid: int, gone: bool) -> tuple[list[str], bool]:
+        """The client's requests (to abort), and whether it was the last client (then nobody
+        attaches any more: the engine stops). gone: its socket closed (nothing more is written
+        to it); else it waits for STOPPED."""
         with self.lock:
             if gone:
                 conn = self.conns.pop(cid, None)
@@ -76,7 +86,10 @@ class Clients:
             elif cid in self.conns:
                 self.detaching.add(cid)
             rids = [rid for rid, c in list(self.owner.items()) if c == cid]
-        return rids
+            last = len(self.conns) == len(self.detaching)
+            if last:
+                self.closing = True
+        return rids, last
 
     def share(self, cid: int, stats):
         """`stats` with each counter replaced by this client's share: what grew since any client
@@ -89,11 +102,6 @@ class Clients:
             mine[f] += total - self._handed[f]
             self._handed[f] = total
         return dataclasses.replace(stats, **mine)
-
-    def remaining(self) -> int:
-        """Clients attached and not detaching."""
-        with self.lock:
-            return len(self.conns) - len(self.detaching)
 
     def close_listener(self) -> None:
         """Stop taking clients (the engine stops)."""
@@ -118,13 +126,7 @@ class Clients:
                 s, _ = listener.accept()
             except OSError:  # closed: the engine stops
                 return
-            conn = Connection(s.detach())
-            try:
-                conn.send((wire.READY, ready_info))
-            except OSError:
-                conn.close()
-                continue
-            self.attach(conn)
+            self.attach(Connection(s.detach()), ready_info)
 
     def _read(self, cid: int, conn: Connection) -> None:
         while True:

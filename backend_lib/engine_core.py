@@ -86,9 +86,10 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
     def detach(cid: int, gone: bool) -> Optional[str]:
         """The client leaves (STOP) or is gone (EOF): its requests end. "stop" when it was the
         last client that asked (the engine stops), "exit" when the last one is gone."""
-        for rid in clients.detach(cid, gone):
+        rids, last = clients.detach(cid, gone)
+        for rid in rids:
             eng.abort(rid)
-        if clients.remaining():
+        if not last:
             out.wake()
             return None
         clients.close_listener()

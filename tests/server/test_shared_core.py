@@ -1,0 +1,99 @@
+"""Two llm instances (instance_group count 2) over one engine core: one core process for both
+stubs, greedy streams from many concurrent clients equal the in-process engine's tokens, cancels
+mid-stream leave nothing held, the engine's counters are exported once (not once per instance),
+and an unload ends both stubs and the core."""
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import time
+
+import numpy as np
+
+from . import procs
+from .conftest import ACCESS_KEY, ROOT, start_server
+from .test_metrics_unload import engine_cores
+from .util import StreamClient, http_post, wait_for
+
+
+def _two_instance_repo(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "model_repository" / "llm", repo / "llm", ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = repo / "llm" / "config.pbtxt"
+    text, n = re.subn(r"instance_group \[ \{ count: 1 ", "instance_group [ { count: 2 ", cfg.read_text())
+    assert n == 1
+    cfg.write_text(text)
+    return repo
+
+
+def _stream(sc, prompt, max_tokens, rid):
+    return sc.send("llm", {"input_ids": np.array([prompt], dtype=np.int32), "max_tokens": max_tokens,
+                           "ignore_eos": True, "temperature": 0.0, "stream": True,
+                           "exclude_input_in_output": True}, rid)
+
+
+def test_two_instances_share_one_engine(tmp_path, reference_engine):
+    from backend_lib import SamplingParams
+    srv = start_server(tmp_path, model_control="explicit", load_models=("llm",),
+                       model_repository=_two_instance_repo(tmp_path), wait_model="llm")
+    try:
+        llm_stubs = [p for p in procs.stubs(srv.proc.pid) if p.stub_model == "llm"]
+        assert len(llm_stubs) == 2, [p.argv for p in procs.stubs(srv.proc.pid)]
+        assert len(engine_cores(srv)) == 1, [p.argv for p in engine_cores(srv)]
+        log = srv.log_path.read_text(errors="replace")
+        assert log.count("[llm] engine ready") == 2
+
+        rng = random.Random(5)
+        prompts = [[rng.randrange(4, 700) for _ in range(rng.randint(3, 40))] for _ in range(24)]
+        lens = [rng.randint(4, 24) for _ in prompts]
+        refs = [o.token_ids for o in reference_engine.generate(
+            prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lens])]
+        queried0 = srv.metric("llm_prefix_cache_queried_tokens_total")
+        gen0 = srv.metric("llm_generation_tokens_total")
+        # two rounds of 24 concurrent streams, each on its own client connection half the time
+        for rnd in range(2):
+            clients = [StreamClient(srv.grpc_url) for _ in range(4)]
+            try:
+                got = [_stream(clients[i % 4], p, m, f"r{rnd}-{i}") for i, (p, m) in enumerate(zip(prompts, lens))]
+                for c in got:
+                    assert c.done.wait(120), "stream left hanging"
+                time.sleep(0.1)
+                for i, c in enumerate(got):
+                    assert c.finals == 1 and not c.errors, c.errors
+                    assert sum(c.ids(), []) == refs[i], f"round {rnd} prompt {i}"
+            finally:
+                for sc in clients:
+                    sc.close()
+
+        # each instance exports its own requests' counts and its share of the engine's own
+        # counters: the sums are the totals (every admission looks its prompt up in the prefix
+        # cache), not once per instance
+        time.sleep(1.0)  # a stats export after the last step, on both instances
+        assert srv.metric("llm_generation_tokens_total") - gen0 == 2 * sum(lens)
+        assert srv.metric("llm_prefix_cache_queried_tokens_total") - queried0 == 2 * sum(map(len, prompts))
+
+        # cancels at random points: the engine keeps nothing of them
+        sc = StreamClient(srv.grpc_url)
+        long = [_stream(sc, p, 300, f"c{i}") for i, p in enumerate(prompts[:8])]
+        assert wait_for(lambda: all(len(c.responses) >= rng.randint(1, 6) for c in long), 60, 0.01)
+        sc.close(cancel=True)
+        assert wait_for(lambda: srv.metric("llm_kv_blocks_used") == 0 and srv.metric("llm_num_requests_running") == 0,
+                        30), (srv.metric("llm_kv_blocks_used"), srv.metric("llm_num_requests_running"))
+        # and the engine still answers on both instances
+        sc = StreamClient(srv.grpc_url)
+        try:
+            again = [_stream(sc, p, m, f"a{i}") for i, (p, m) in enumerate(zip(prompts[:6], lens[:6]))]
+            for i, c in enumerate(again):
+                assert c.done.wait(60)
+                assert c.finals == 1 and sum(c.ids(), []) == refs[i]
+        finally:
+            sc.close()
+
+        status, text = http_post(srv.http_url, "/v2/repository/models/llm/unload", {},
+                                 headers={"triton-access-key": ACCESS_KEY}, timeout=60)
+        assert status == 200, text
+        assert wait_for(lambda: not engine_cores(srv), 30), engine_cores(srv)
+        assert wait_for(lambda: not [p for p in procs.stubs(srv.proc.pid) if p.stub_model == "llm"], 30)
+    finally:
+        srv.stop()
