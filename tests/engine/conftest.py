@@ -3,6 +3,7 @@
 The tiny models' ops are far too small to gain from intra-op threads, and on a busy 2-core
 machine OpenMP spin-waiting makes them 10-40x slower; these tests run torch single-threaded.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,19 @@ def _single_thread_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def single_thread_core():
+    """OMP_NUM_THREADS=1 for the engine core processes a module starts (the fixture above
+    reaches this process only)."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = old
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,8 @@ from test_async_engine import KW, _wait, assert_abort_by_id, assert_streams_equa
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread_core():
-    # the core is a fresh process: the conftest's torch.set_num_threads(1) does not reach it
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    if old is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = old
+# the core is a fresh process: the conftest's torch.set_num_threads(1) does not reach it
+pytestmark = pytest.mark.usefixtures("single_thread_core")
 
 
 @pytest.fixture(scope="module")
