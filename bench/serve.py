@@ -567,6 +567,8 @@ def records_from_profile(path: Path) -> list[Record]:
 
 
 def run_triton(args, params, vocab, busy: GpuBusy, work: Path, report: "Report") -> None:
+    if args.engine == "large":  # two llm instances over one engine core, as the config advises on a GPU
+        params = dict(params, **{INSTANCES: "2"})
     for i, (name, overrides) in enumerate(args.variants):
         label = "Triton" + (f" {name}" if name else "")
         genai = bool(args.genai_perf) and i == 0  # genai-perf on the first server only
@@ -819,8 +821,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda with --preset, else cpu)")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--engine", choices=("shipped", "large"), default=None,
-                    help="shipped: the llm model's config.pbtxt; large: 512 sequences, 8192-token budget "
-                         "(default: large on cuda, shipped on cpu)")
+                    help="shipped: the llm model's config.pbtxt; large: 512 sequences, 8192-token budget, "
+                         "Triton with two llm instances over one engine core (default: large on cuda, "
+                         "shipped on cpu)")
     ap.add_argument("--set", action="append", help="KEY=VALUE engine parameter override (repeatable)")
     ap.add_argument("--variant", action="append", type=_variant, dest="variants",
                     help="NAME[:k=v,...]: one Triton server per variant with these llm parameters "
