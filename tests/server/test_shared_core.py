@@ -97,3 +97,26 @@ def test_two_instances_share_one_engine(tmp_path, reference_engine):
         assert wait_for(lambda: not [p for p in procs.stubs(srv.proc.pid) if p.stub_model == "llm"], 30)
     finally:
         srv.stop()
+
+
+def test_killed_server_leaves_no_shared_core(tmp_path):
+    """tritonserver killed with streams in flight on both instances: the shared core (which
+    outlives the stub that spawned it, not the server) is gone within seconds, whatever the
+    stubs do (a 2.51 stub outlives its killed server for a while; the launcher's supervisor
+    ends them, tests/server/test_faults.py)."""
+    srv = start_server(tmp_path, model_control="explicit", load_models=("llm",),
+                       model_repository=_two_instance_repo(tmp_path), wait_model="llm")
+    try:
+        (core,) = engine_cores(srv)
+        stubs = [p.pid for p in procs.stubs(srv.proc.pid) if p.stub_model == "llm"]
+        assert len(stubs) == 2
+        sc = StreamClient(srv.grpc_url)
+        got = [_stream(sc, [5 + i, 6, 7], 1000, f"k{i}") for i in range(6)]
+        assert wait_for(lambda: all(len(c.responses) >= 2 for c in got), 60, 0.01)
+        srv.proc.kill()
+        srv.proc.wait(10)
+        gone = procs.Proc(0, 0, 0, "Z", ())
+        assert wait_for(lambda: (procs.read_proc(core.pid) or gone).state == "Z", 10), procs.read_proc(core.pid)
+        sc.close()
+    finally:
+        srv.stop()
