@@ -104,6 +104,10 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
             kind = cmd[0]
             if kind == wire.ADD:
                 _, rid, prompt, params = cmd
+                if rid in owner:  # another client's (or a live) request: its routing stays
+                    out.control((wire.STEPS, [[wire.encode_output(RequestOutput(
+                        rid, [], True, FinishReason.ERROR, error=f"request_id {rid!r} is already in use"))]]), cid)
+                    continue
                 owner[rid] = cid  # before the engine can make an output for it
                 try:
                     eng.add_request(rid, prompt, params)

@@ -299,6 +299,20 @@ def test_counter_shares_add_up_to_the_engine_totals(pair, reference):
 
 # ---- cores of their own ----------------------------------------------------------------------
 
+def test_an_id_in_use_by_another_client_is_refused_to_the_newcomer(pair, reference):
+    """Two clients' ids must differ; if they do not, the second ADD gets an error final on its
+    own client and the first request keeps its outputs (its routing is not taken over)."""
+    _, a, b = pair
+    cb, outs, got = _first_token_waiter()
+    a.add_request("same-id", [5, 6, 7], greedy(40, ignore_eos=True), callback=cb)
+    assert got.wait(60)
+    toks, reason = b.add_request("same-id", [8, 9], greedy(5, ignore_eos=True)).result()
+    assert toks == [] and str(reason) == "error"
+    _wait(lambda: outs and outs[-1].finished, 60)
+    assert _tokens(outs) == reference([5, 6, 7], 40) and str(outs[-1].finish_reason) == "length"
+    _wait(lambda: a.num_inflight() == 0 and b.num_inflight() == 0, 10)
+
+
 def test_shutdown_detaches_a_client_and_the_last_one_stops_the_core(path, request, reference):
     key = _key(request)
     a = EngineProcessClient(_config(path), share_key=key)
