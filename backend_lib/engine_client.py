@@ -10,6 +10,10 @@ reader thread that forks the core, then receives the core's messages (each holds
 step finished since the core's last write) and runs the callbacks, in order, as AsyncEngine's
 dispatcher does.
 
+Shared (share_key): several clients, e.g. the stubs of an llm model's instances, attach to one
+core; each streams its own requests (backend_lib/core_clients.py routes them) and its shutdown
+detaches it; the core ends with its last client or with the server that started the stubs.
+
 Lifecycle: the child is started with this process's venv python (not sys.executable, which
 inside Triton's stub is the stub binary), dies with this process (parent-death signal, and EOF
 on its socket), re-raises its start-up error here with its message, and when it dies mid-run
@@ -65,7 +69,8 @@ class EngineProcessClient(OutputSinks):
         """merge_queued_outputs, delivery_threads: as AsyncEngine's. fault_after_steps: test
         hook, the core's engine loop raises after that many steps. share_key: clients of the
         same key (in any process of this machine) share one core (`_join_shared_core`): the
-        llm model's instances; their request ids must differ."""
+        llm model's instances; their request ids must differ, and the core runs the config of
+        the client that started it (the llm model's key names its whole configuration)."""
         self.config = config
         self._merge_queued = merge_queued_outputs
         self._delivery_threads = _checked_delivery_threads(delivery_threads)
@@ -139,6 +144,8 @@ class EngineProcessClient(OutputSinks):
             return self._await_ready(startup_timeout)
         except BaseException:
             self._finalizer()
+            if listener is not None:  # a shared core that did not start serves nobody
+                _kill(self._proc)
             self._conn.close()
             self._handshake.set()  # the reader thread ends without reading
             raise
