@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import logging
 import os
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import engine_wire as wire
-from . import envs
+from . import envs, shared_core
 from .async_engine import STALL_POLL_S, Callback, OutputSinks, RequestStream, _checked_delivery_threads
 from .config import EngineConfig
 from .delivery import Delivery
@@ -152,58 +151,28 @@ class EngineProcessClient(OutputSinks):
 
     def _join_shared_core(self, share_key: str, config: EngineConfig, fault_after_steps: int,
                           startup_timeout: float) -> dict:
-        """Attach to the core of `share_key` (an abstract Unix socket named after it), or start
-        it when there is none: the first client to bind the name spawns the core, the others
-        connect and wait for its READY. A core that fails to start, or stops while a client
-        connects, closes the name: the client tries again (and, binding it, raises the start-up
-        error itself)."""
-        name = _shared_socket_name(share_key)
+        """Attach to the core of `share_key`, or spawn it when nobody holds its name
+        (backend_lib/shared_core.py). A core that fails to start, or stops while a client
+        connects, releases the name: the client tries again (and, binding it, raises the
+        start-up error itself)."""
+        name = shared_core.socket_name(share_key)
         deadline = time.monotonic() + startup_timeout
         while True:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                listener.bind(name)
-                listener.listen(64)
-            except OSError:
-                listener.close()
-            else:
+            listener = shared_core.bind(name)
+            if listener is not None:
                 return self._start_core(config, fault_after_steps, deadline - time.monotonic(), listener)
-            info = self._connect_shared(name, deadline)
-            if info is not None:
+            attached = shared_core.connect(name, deadline, SEND_TIMEOUT_S)
+            if attached is not None:
+                self._conn, info = attached
+                self.pid = info["pid"]
+                self._finalizer = weakref.finalize(self, _close, self._conn)
+                self._reader = NamedThread(target=self._reader_thread, args=(None, (), None),
+                                            name="engine-proc-reader", os_name="engine-reader", daemon=True)
+                self._reader.start()
                 return info
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine did not start within {startup_timeout} s")
             time.sleep(0.05)
-
-    def _connect_shared(self, name: bytes, deadline: float) -> Optional[dict]:
-        """READY's info from the core listening on `name`, this client attached; None when it
-        went away first."""
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(name)
-        except OSError:  # the name was just released
-            s.close()
-            return None
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
-        conn = Connection(s.detach())
-        try:
-            while not conn.poll(0.2):  # the core's READY comes once its engine is built
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the shared engine did not start in time")
-            msg = conn.recv()
-        except (EOFError, OSError):
-            conn.close()
-            return None
-        if msg[0] != wire.READY:
-            conn.close()
-            return None
-        self._conn = conn
-        self.pid = msg[1]["pid"]
-        self._finalizer = weakref.finalize(self, _close, conn)
-        self._reader = NamedThread(target=self._reader_thread, args=(None, (), None),
-                                    name="engine-proc-reader", os_name="engine-reader", daemon=True)
-        self._reader.start()
-        return msg[1]
 
     def _await_ready(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -540,11 +509,6 @@ def _exit_text(code: Optional[int]) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def _shared_socket_name(share_key: str) -> bytes:
-    """The abstract Unix socket (Linux: no file, gone with its last holder) of a shared core."""
-    return b"\0backend_lib-engine-" + hashlib.sha256(share_key.encode()).hexdigest()[:32].encode()
 
 
 def _close(conn: Connection) -> None:

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from backend_lib import EngineConfig, EngineProcessClient
-from backend_lib.engine_client import _shared_socket_name
+from backend_lib.shared_core import socket_name
 from engine_helpers import greedy, make_engine, process_alive
 from test_async_engine import KW, _wait
 
@@ -421,6 +421,6 @@ def test_a_startup_error_reaches_every_client(tmp_path, request):
     # nothing holds the key's socket any more: a core would
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.bind(_shared_socket_name(key))
+        s.bind(socket_name(key))
     finally:
         s.close()
