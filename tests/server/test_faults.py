@@ -103,7 +103,7 @@ class Launched:
 
 
 def launch_server(tmp_path: Path, *, via: str = "launcher", ports: Optional[tuple] = None,
-                  extra_env: Optional[dict] = None) -> Launched:
+                  extra_env: Optional[dict] = None, model_repository: Optional[Path] = None) -> Launched:
     if not (MODEL_DIR / "config.json").exists():
         pytest.skip(f"no model at {MODEL_DIR}: run `make model`")
     from triton_glue import launch
@@ -119,6 +119,9 @@ def launch_server(tmp_path: Path, *, via: str = "launcher", ports: Optional[tupl
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     cmd = ["make", "--no-print-directory", "serve"] if via == "make" else \
         [sys.executable, "-m", "triton_glue.launch", "serve"]
+    if model_repository is not None:
+        assert via == "launcher"
+        cmd += ["--model-repository", str(model_repository)]
     log_path = tmp_path / f"serve-{http}.log"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -4,22 +4,31 @@ mid-stream leave nothing held, the engine's counters are exported once (not once
 and an unload ends both stubs and the core."""
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
+import signal
 import time
 
 import numpy as np
 
 from . import procs
-from .conftest import ACCESS_KEY, ROOT, start_server
+from .conftest import ACCESS_KEY, ROOT, engine_env, start_server
+from .test_faults import (BROKEN_OFF, SIGNAL_BOUND_S, assert_all_ended, assert_nothing_left, launch_server,
+                          snapshot, start_streams, wait_ready)
 from .test_metrics_unload import engine_cores
 from .util import StreamClient, http_post, wait_for
 
 
-def _two_instance_repo(tmp_path):
+def _two_instance_repo(tmp_path, whole: bool = False):
+    """llm with instance_group count 2 (whole: the whole shipped repository around it)."""
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "model_repository" / "llm", repo / "llm", ignore=shutil.ignore_patterns("__pycache__"))
+    ignore = shutil.ignore_patterns("__pycache__")
+    if whole:
+        shutil.copytree(ROOT / "model_repository", repo, ignore=ignore)
+    else:
+        shutil.copytree(ROOT / "model_repository" / "llm", repo / "llm", ignore=ignore)
     cfg = repo / "llm" / "config.pbtxt"
     text, n = re.subn(r"instance_group \[ \{ count: 1 ", "instance_group [ { count: 2 ", cfg.read_text())
     assert n == 1
@@ -120,3 +129,29 @@ def test_killed_server_leaves_no_shared_core(tmp_path):
         sc.close()
     finally:
         srv.stop()
+
+
+def test_ctrl_c_with_streams_on_two_instances_leaves_nothing(tmp_path):
+    """`make serve`'s Ctrl-C (SIGINT to the launcher's group) with streams in flight on every
+    route over two llm instances: every client hears a FINAL or an error, the server exits, and
+    no process (the shared core included) and no shared-memory region is left."""
+    srv = launch_server(tmp_path, extra_env=engine_env("engine-process"),
+                        model_repository=_two_instance_repo(tmp_path, whole=True))
+    regions: set[str] = set()
+    streams: list = []
+    try:
+        wait_ready(srv)
+        members, regions = snapshot(srv, "engine-process")  # one engine core
+        assert sum(p.stub_model == "llm" for p in members) == 2
+        streams = start_streams(srv)
+        t0 = time.monotonic()
+        os.killpg(srv.pgid, signal.SIGINT)
+        summary = assert_all_ended(streams, t0, SIGNAL_BOUND_S)
+        assert all(s.out.end in ("final", "error") and not s.out.message.startswith(BROKEN_OFF)
+                   for s in streams), summary
+        srv.proc.wait(max(0.1, t0 + SIGNAL_BOUND_S - time.monotonic()))
+        assert_nothing_left(srv, members, regions, time.monotonic() + 5)
+    finally:
+        for s in streams:
+            s.close()
+        srv.cleanup(regions)
