@@ -99,6 +99,19 @@ def _first_token_waiter():
     return cb, outs, got
 
 
+def _request_outlives_kill(client, sub, prompt, max_tokens, reference):
+    """A request of `client` is streaming when process `sub` is killed: it still ends with all
+    of generate's tokens, one final output last."""
+    cb, outs, got = _first_token_waiter()
+    client.add_request(f"outlives-{sub.pid}", prompt, greedy(max_tokens, ignore_eos=True), callback=cb)
+    assert got.wait(60)
+    sub.kill()
+    assert sub.wait(10) == -signal.SIGKILL
+    _wait(lambda: outs and outs[-1].finished, 60)
+    assert _tokens(outs) == reference(prompt, max_tokens) and str(outs[-1].finish_reason) == "length"
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+
+
 def _tokens(outs):
     return [t for o in outs for t in o.new_token_ids]
 
@@ -248,14 +261,7 @@ def test_a_killed_client_process_is_detached_and_its_requests_aborted(pair, path
         st = a.stats()
         assert st.num_running == 1 and st.kv_blocks_used > 0  # the other process's request
         # this process's client has a request going when the other process dies
-        cb, outs, got = _first_token_waiter()
-        b.add_request("b-during-kill", [7, 8, 9], greedy(120, ignore_eos=True), callback=cb)
-        assert got.wait(60)
-        sub.kill()
-        assert sub.wait(10) == -signal.SIGKILL
-        _wait(lambda: outs and outs[-1].finished, 60)
-        assert _tokens(outs) == reference([7, 8, 9], 120) and str(outs[-1].finish_reason) == "length"
-        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        _request_outlives_kill(b, sub, [7, 8, 9], 120, reference)
     finally:
         sub.kill()
         sub.wait(10)
@@ -379,14 +385,8 @@ def test_the_core_outlives_the_process_that_spawned_it(path, request, reference)
         assert spawned == "True" and process_alive(core)
         c = EngineProcessClient(_config(path), share_key=key)
         assert c._proc is None and c.pid == core
-        cb, outs, got = _first_token_waiter()
-        c.add_request("long", [5, 6, 7], greedy(80, ignore_eos=True), callback=cb)
-        assert got.wait(60)
-        sub.kill()
-        assert sub.wait(10) == -signal.SIGKILL
-        # the request in flight when its spawner died completes, and the core takes new ones
-        _wait(lambda: outs and outs[-1].finished, 60)
-        assert _tokens(outs) == reference([5, 6, 7], 80) and str(outs[-1].finish_reason) == "length"
+        # the request in flight when its spawner dies completes, and the core takes new ones
+        _request_outlives_kill(c, sub, [5, 6, 7], 80, reference)
         assert process_alive(core) and c.is_healthy()
         toks, reason = c.add_request("after", [15, 16, 17], greedy(10, ignore_eos=True)).result()
         assert toks == reference([15, 16, 17], 10) and str(reason) == "length"
