@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import socket
+import struct
 import threading
 from multiprocessing.connection import Connection
 from typing import Callable, Optional
@@ -28,6 +29,9 @@ logger = logging.getLogger("backend_lib")
 
 # What a reader puts in the loop's command queue when its client's socket closes.
 GONE = None
+# A write to one client blocked this long drops that client (it stopped reading) rather than
+# stalling every other client's tokens.
+CLIENT_SEND_TIMEOUT_S = 30
 # EngineStats' counters: each client's stats replies carry its share of them (below).
 COUNTER_FIELDS = ("prompt_tokens_total", "generation_tokens_total", "async_steps_total", "sync_steps_total",
                   "num_preemptions", "prefill_tokens_total", "prefix_cache_queried_tokens_total",
@@ -39,8 +43,9 @@ class Clients:
     The loop registers a request's owner before the engine sees the request; the writer drops
     it with the request's final output."""
 
-    def __init__(self, cmds: "queue.SimpleQueue[tuple]"):
+    def __init__(self, cmds: "queue.SimpleQueue[tuple]", shared: bool):
         self.cmds = cmds                        # (cid, command list | GONE) for the engine loop
+        self.shared = shared                    # clients may attach on a listening socket
         self.conns: dict[int, Connection] = {}
         self.owner: dict[str, int] = {}         # request id -> cid
         self.detaching: set[int] = set()        # STOP received: STOPPED once its requests ended
@@ -56,6 +61,9 @@ class Clients:
         reader; None (connection closed) once closing: the client then sees EOF before READY
         and tries again. Registration and the READY write happen under the lock, so a client
         that got READY is one the loop counts before it decides that the last one left."""
+        if self.shared:  # a client that stops reading must not stall the others (Writer._send)
+            with _socket_of(conn) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", CLIENT_SEND_TIMEOUT_S, 0))
         with self.lock:
             if self.closing:
                 conn.close()
@@ -73,23 +81,31 @@ class Clients:
                     daemon=True).start()
         return cid
 
-    def detach(self, cid: int, gone: bool) -> tuple[list[str], bool]:
-        """The client's requests (to abort), and whether it was the last client (then nobody
-        attaches any more: the engine stops). gone: its socket closed (nothing more is written
-        to it); else it waits for STOPPED."""
+    def detach(self, cid: int, gone: bool) -> tuple[list[str], Optional[str]]:
+        """The client leaves (STOP) or is gone (its reader saw EOF): its requests (to abort), and
+        what the core does next: None (serve the others), "stop" (it was the last client and
+        asked: stop the engine, tell it STOPPED at the end) or "exit" (the last one is gone).
+        A leaving client that is not the last waits in `detaching` for its requests' finals."""
         with self.lock:
-            if gone:
-                conn = self.conns.pop(cid, None)
-                self.detaching.discard(cid)
-                if conn is not None:
-                    _hang_up(conn)
-            elif cid in self.conns:
+            others = [c for c in self.conns if c != cid and c not in self.detaching]
+            if not gone and cid in self.conns and others:
                 self.detaching.add(cid)
             rids = [rid for rid, c in list(self.owner.items()) if c == cid]
-            last = len(self.conns) == len(self.detaching)
-            if last:
+            ending = None
+            if not others:
                 self.closing = True
-        return rids, last
+                ending = "stop" if self.conns else "exit"
+        return rids, ending
+
+    def drop(self, cid: int) -> None:
+        """Forget a client whose socket failed (the writer's); its reader then sees EOF."""
+        with self.lock:
+            conn = self.conns.pop(cid, None)
+            self.detaching.discard(cid)
+            if not self.conns:
+                self.closing = True
+        if conn is not None:
+            _hang_up(conn)
 
     def share(self, cid: int, stats):
         """`stats` with each counter replaced by this client's share: what grew since any client
@@ -126,16 +142,29 @@ class Clients:
                 s, _ = listener.accept()
             except OSError:  # closed: the engine stops
                 return
+            pid, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("3i")))
+            if uid != os.getuid():  # an abstract socket has no file permissions: check who it is
+                logger.warning("engine core: refused a connection from pid %d (uid %d)", pid, uid)
+                s.close()
+                continue
             self.attach(Connection(s.detach()), ready_info)
 
     def _read(self, cid: int, conn: Connection) -> None:
+        """The only thread that closes `conn` (the others hang it up): a close under a thread
+        blocked in recv() or send() on it could hand its descriptor to the next client."""
         while True:
             try:
                 batch = conn.recv()
             except (EOFError, OSError):
-                self.cmds.put((cid, GONE))
-                return
+                break
             self.cmds.put((cid, batch))
+        with self.lock:
+            if self.conns.get(cid) is conn:
+                del self.conns[cid]
+            self.detaching.discard(cid)
+        conn.close()
+        self.cmds.put((cid, GONE))
 
 
 class Writer:
@@ -214,16 +243,13 @@ class Writer:
             return
         try:
             conn.send(msg)
-        except OSError:  # that client is gone; its reader sees EOF and the loop detaches it
-            with self.clients.lock:
-                self.clients.conns.pop(cid, None)
-                self.clients.detaching.discard(cid)
-                last = not self.clients.conns
-            if last:
+        except Exception:  # noqa: BLE001 - gone, stuck (SO_SNDTIMEO), or hung up meanwhile
+            self.clients.drop(cid)
+            if self.clients.closing and not self.clients.conns:
                 self._lost()
 
     def _release_detached(self) -> None:
-        """A detaching client whose requests have all ended gets STOPPED, and its socket closes."""
+        """A detaching client whose requests have all ended gets STOPPED, and is hung up."""
         with self.clients.lock:
             busy = set(self.clients.owner.values())
             done = [cid for cid in self.clients.detaching if cid not in busy]
@@ -236,14 +262,20 @@ class Writer:
                 _hang_up(conn)
 
 
+def _socket_of(conn: Connection) -> socket.socket:
+    """A socket object over a duplicate of conn's descriptor (options and shutdown act on the
+    socket both share); the caller closes it."""
+    return socket.socket(fileno=os.dup(conn.fileno()))
+
+
 def _hang_up(conn: Connection) -> None:
-    """Close a client's socket so that its end sees EOF now: a plain close() leaves the socket
-    open while this side's reader thread is blocked in recv() on it."""
+    """End a client's connection without closing it: its end and this side's reader thread see
+    EOF, and the reader closes it."""
     try:
-        socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
-    except OSError:
+        with _socket_of(conn) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except (OSError, TypeError):  # closed already
         pass
-    conn.close()
 
 
 def die_with_process(pid: int) -> None:

@@ -180,7 +180,7 @@ class EngineProcessClient(OutputSinks):
             if self._proc.poll() is not None:
                 raise RuntimeError(f"engine process (pid {self.pid}) exited during start-up "
                                    f"({_exit_text(self._proc.returncode)}); its log has the reason")
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not self._conn.poll(0):
                 raise TimeoutError(f"engine did not start within {timeout} s")
         try:
             msg = self._conn.recv()
@@ -347,6 +347,12 @@ class EngineProcessClient(OutputSinks):
         self._reader.join(max(0.0, deadline - time.monotonic()))
         if self._reader.is_alive():
             logger.error("engine output reader still busy in a callback after %.1f s", timeout)
+            if self._shared:  # a shared core must not count this client any more
+                try:
+                    with socket.socket(fileno=os.dup(self._conn.fileno())) as s:
+                        s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         else:
             self._conn.close()
         self._finalizer.detach()

@@ -77,7 +77,7 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
             "eos_token_ids": tuple(eng.eos_token_ids), "pid": os.getpid()}
     conn.send((wire.READY, info))
     cmds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-    clients = Clients(cmds)
+    clients = Clients(cmds, shared=listener is not None)
     out = Writer(clients, on_last_client_lost=lambda: os._exit(1))  # nobody to deliver to
     clients.attach(conn)
     if listener is not None:
@@ -86,14 +86,18 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
     def detach(cid: int, gone: bool) -> Optional[str]:
         """The client leaves (STOP) or is gone (EOF): its requests end. "stop" when it was the
         last client that asked (the engine stops), "exit" when the last one is gone."""
-        rids, last = clients.detach(cid, gone)
+        rids, ending = clients.detach(cid, gone)
         for rid in rids:
             eng.abort(rid)
-        if not last:
+        if ending is None:
             out.wake()
             return None
         clients.close_listener()
-        return "stop" if clients.conns else "exit"
+        return ending
+
+    def refuse(cid: int, rid: str, why: str) -> None:
+        out.control((wire.STEPS, [[wire.encode_output(RequestOutput(rid, [], True, FinishReason.ERROR,
+                                                                     error=why))]]), cid)
 
     def apply(cid: int, batch) -> Optional[str]:
         """One client's command list, in order."""
@@ -105,8 +109,10 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
             if kind == wire.ADD:
                 _, rid, prompt, params = cmd
                 if rid in owner:  # another client's (or a live) request: its routing stays
-                    out.control((wire.STEPS, [[wire.encode_output(RequestOutput(
-                        rid, [], True, FinishReason.ERROR, error=f"request_id {rid!r} is already in use"))]]), cid)
+                    refuse(cid, rid, f"request_id {rid!r} is already in use")
+                    continue
+                if cid in clients.detaching:  # sent before its STOP reached us: it leaves
+                    refuse(cid, rid, "engine client is shutting down")
                     continue
                 owner[rid] = cid  # before the engine can make an output for it
                 try:
@@ -114,7 +120,8 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
                 except ValueError as e:
                     out.steps([RequestOutput(rid, [], True, FinishReason.ERROR, error=str(e))])
             elif kind == wire.ABORT:
-                eng.abort(cmd[1])
+                if owner.get(cmd[1]) == cid:  # a client ends its own requests only
+                    eng.abort(cmd[1])
             elif kind == wire.STATS:
                 out.control((wire.STATS, cmd[1], clients.share(cid, eng.stats())), cid)
             elif kind == wire.STOP:

@@ -5,6 +5,7 @@ name spawns the core and hands it the listening socket; the others connect and w
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import struct
 import time
@@ -54,4 +55,13 @@ def connect(name: bytes, deadline: float, send_timeout_s: float) -> Optional[tup
     if msg[0] != wire.READY:
         conn.close()
         return None
+    # An abstract socket has no file permissions: the name's holder must run as this user (a
+    # stranger could have taken the name first). (Its pid is the process that listened: the
+    # client that spawned the core, not the core.)
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        pid, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        conn.close()
+        raise RuntimeError(f"the shared engine socket is held by pid {pid} of uid {uid}, not by this user's "
+                           f"engine core")
     return conn, msg[1]

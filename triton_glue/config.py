@@ -159,28 +159,45 @@ def engine_config(model_config: Union[str, Mapping[str, Any]], model_dir: Option
 
 
 def instance_count(model_config: Union[str, Mapping[str, Any]]) -> int:
-    """How many instances (stub processes) Triton runs of the model: instance_group counts summed."""
+    """How many instances (stub processes) Triton runs of the model: each instance_group's count,
+    times its number of GPUs when it lists some (Triton makes `count` instances per GPU)."""
     cfg = json.loads(model_config) if isinstance(model_config, str) else model_config
     groups = cfg.get("instance_group") or [{}]
-    return sum(int(g.get("count", 1) or 1) for g in groups)
+    return sum(int(g.get("count", 1) or 1) * max(1, len(g.get("gpus") or [])) for g in groups)
+
+
+def _process_identity(pid: int) -> list:
+    """What tells process `pid` apart from any other, past or present, on this machine: its pid
+    namespace, its pid and its start time (pids are reused, and differ per namespace)."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        ns, start = None, None
+    return [ns, pid, start]
+
+
+def _files_identity(folder: Path) -> list:
+    """Names, sizes and modification times of the files in a folder."""
+    if not folder.is_dir():
+        return []
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir()) if f.is_file()]
 
 
 def engine_share_key(model_config: Union[str, Mapping[str, Any]], engine_cfg, model_name: str,
                      model_version: str) -> Optional[str]:
     """The key under which a model's instances share one engine core
     (EngineProcessClient(share_key=...)): None with one instance. It names the server (this
-    stub's parent), the model and version, the engine configuration and the checkpoint's files
-    (names, sizes, modification times): a reload that changes none of them attaches the new
-    instances to the running engine, one that changes any starts its own."""
+    stub's parent, by pid namespace, pid and start time), the model and version, the engine
+    configuration, the GPUs this process sees, the checkpoint's files and the engine's code (names,
+    sizes, modification times): a reload that changes none of them attaches the new instances
+    to the running engine, one that changes any starts its own."""
     if instance_count(model_config) <= 1:
         return None
-    files = []
-    root = Path(engine_cfg.model_path)
-    if root.is_dir():
-        for f in sorted(root.iterdir()):
-            st = f.stat()
-            files.append([f.name, st.st_size, st.st_mtime_ns])
-    return json.dumps([os.getppid(), model_name, str(model_version), engine_cfg.to_json(), files])
+    code = Path(__file__).resolve().parent.parent / "backend_lib"
+    return json.dumps([_process_identity(os.getppid()), model_name, str(model_version), engine_cfg.to_json(),
+                       os.environ.get("CUDA_VISIBLE_DEVICES"), _files_identity(Path(engine_cfg.model_path)),
+                       _files_identity(code)])
 
 
 def glue_parameter(model_config: Union[str, Mapping[str, Any]], name: str) -> str:

@@ -212,6 +212,9 @@ class TritonPythonModel:
         self.logger.log_info(f"[llm] engine ready (vocab={self.engine.vocab_size}, "
                              f"max_model_len={self.engine.max_model_len})")
         self._ids = itertools.count()
+        # Request ids are unique across the instances that share one engine core, also across a
+        # reload whose new instances (same names) attach to it while the old ones still stream.
+        self._rid_prefix = f"{self.instance}-{os.getpid()}-"
         self._inflight = {}
         # Triton request id -> _Group: control cancels (BLS "bls-..." keys) and TensorRT-LLM stop requests
         self._by_key = {}
@@ -272,7 +275,7 @@ class TritonPythonModel:
             # every row before any reaches the engine
             prompts = [self.engine.validate(r.prompt_ids, p) for r, p in zip(rows, params)]
             group = _Group(sender, len(rows), bls, _requested_outputs(request))
-            ctxs = [_Inflight(f"{self.instance}-{next(self._ids)}", group, r) for r in rows]
+            ctxs = [_Inflight(f"{self._rid_prefix}{next(self._ids)}", group, r) for r in rows]
             group.rows = ctxs
             with self._lock:
                 for ctx in ctxs:
