@@ -319,6 +319,39 @@ def test_an_id_in_use_by_another_client_is_refused_to_the_newcomer(pair, referen
     _wait(lambda: a.num_inflight() == 0 and b.num_inflight() == 0, 10)
 
 
+def test_a_client_cannot_abort_another_clients_request(pair, reference):
+    _, a, b = pair
+    cb, outs, got = _first_token_waiter()
+    a.add_request("a-owned", [5, 6, 7], greedy(40, ignore_eos=True), callback=cb)
+    assert got.wait(60)
+    b.abort("a-owned")
+    _wait(lambda: outs and outs[-1].finished, 60)
+    assert _tokens(outs) == reference([5, 6, 7], 40) and str(outs[-1].finish_reason) == "length"
+
+
+def test_an_add_behind_a_clients_stop_is_refused(path, request):
+    """An execute() thread's batched ADD that reaches the core right behind its client's STOP
+    ends at once with an error, instead of running to completion before the client may go."""
+    from backend_lib import engine_wire as wire
+    key = _key(request)
+    a = EngineProcessClient(_config(path), share_key=key)
+    b = EngineProcessClient(_config(path), share_key=key)
+    try:
+        late = []
+        b._register("late", late.append)
+        with b._lock:
+            b._stopping = True
+        t0 = time.monotonic()
+        b._send([(wire.STOP,)])
+        b._send([(wire.ADD, "late", [1, 2, 3, 4], greedy(500, ignore_eos=True))])
+        b._reader.join(20)
+        assert not b._reader.is_alive() and time.monotonic() - t0 < 5
+        assert [(o.finished, str(o.finish_reason), o.new_token_ids) for o in late] == [(True, "error", [])]
+        assert a.is_healthy()
+    finally:
+        a.shutdown()
+
+
 def test_shutdown_detaches_a_client_and_the_last_one_stops_the_core(path, request, reference):
     key = _key(request)
     a = EngineProcessClient(_config(path), share_key=key)
