@@ -112,7 +112,7 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
                     refuse(cid, rid, f"request_id {rid!r} is already in use")
                     continue
                 if cid in clients.detaching:  # sent before its STOP reached us: it leaves
-                    refuse(cid, rid, "engine client is shutting down")
+                    refuse(cid, rid, wire.SHUTTING_DOWN)
                     continue
                 owner[rid] = cid  # before the engine can make an output for it
                 try:

@@ -23,13 +23,15 @@ def test_the_last_client_to_leave_waits_for_the_engine_stop():
     the end); the writer must not release it early (its shutdown would return, and a spawner
     would kill the core, before the engine closed)."""
     clients = Clients(queue.SimpleQueue(), shared=True)
-    a, _ = _pair(clients)
-    b, _ = _pair(clients)
+    a, a_end = _pair(clients)  # the client ends stay open: a closed one is a client gone
+    b, b_end = _pair(clients)
     rids, ending = clients.detach(a, gone=False)
     assert (rids, ending) == ([], None) and clients.detaching == {a}  # b still serves
     rids, ending = clients.detach(b, gone=False)
     assert ending == "stop" and b not in clients.detaching and clients.closing
     assert clients.attach(Connection(socket.socketpair()[0].detach())) is None  # nobody attaches now
+    a_end.close()
+    b_end.close()
 
 
 def test_a_client_gone_mid_write_leaves_the_writer_serving_the_others():
