@@ -23,10 +23,11 @@ import logging
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .decode_graphs import GRAPH_VARIANTS, CapturedGraph, capture_graph, graph_variant
-from .handoff import host_tensor
+from .mixed_pack import MixedRows
 
 logger = logging.getLogger(__name__)
 
@@ -110,26 +111,25 @@ class MixedMeta:
     @classmethod
     def empty(cls, tokens: int, seqs: int, scratch_slot: int, device: torch.device) -> "MixedMeta":
         """All padding (what warm-up and capture run on: every write goes to scratch)."""
-        packed = torch.tensor(cls.host_flat([[], [], [], []], [[], [], [], []], [0], tokens, seqs, scratch_slot),
-                              dtype=torch.int64, device=device)
-        return cls(packed, tokens, seqs)
+        none = MixedRows(np.zeros((4, 0), np.int64), np.zeros((4, 0), np.int64), np.zeros(1, np.int64))
+        return cls(torch.from_numpy(cls.host_flat(none, tokens, seqs, scratch_slot)).to(device), tokens, seqs)
 
     @staticmethod
-    def host_flat(tok: list[list[int]], row: list[list[int]], cu: list[int], tokens: int, seqs: int,
-                  scratch_slot: int) -> list[int]:
-        """The flat host buffer of one step: the runner's pack_mixed lists (tok [ids,
-        relay_src, pos, tok_slot], row [slot, seq_len, last_idx, samples], cu) padded to
-        the bucket."""
-        pt, ps = tokens - len(tok[0]), seqs - len(row[0])
-        flat: list[int] = []
-        for vals, fill in zip(tok, (0, -1, 0, scratch_slot)):
-            flat += vals
-            flat += [fill] * pt
-        for vals, fill in zip(row, (scratch_slot, 0, 0, 0)):
-            flat += vals
-            flat += [fill] * ps
-        flat += cu
-        flat += [cu[-1]] * ps
+    def host_flat(rows: MixedRows, tokens: int, seqs: int, scratch_slot: int) -> np.ndarray:
+        """The flat host buffer of one step (mixed_pack.MixedRows) padded to the bucket:
+        padding tokens write their KV through the scratch slot, padding rows are empty
+        sequences that sample into it."""
+        t, s = rows.tok.shape[1], rows.row.shape[1]
+        flat = np.empty(MixedMeta.size(tokens, seqs), dtype=np.int64)
+        tok = flat[:4 * tokens].reshape(4, tokens)
+        row = flat[4 * tokens:4 * tokens + 4 * seqs].reshape(4, seqs)
+        cu = flat[4 * tokens + 4 * seqs:]
+        tok[:, :t] = rows.tok
+        tok[:, t:] = np.array([0, -1, 0, scratch_slot], dtype=np.int64)[:, None]
+        row[:, :s] = rows.row
+        row[:, s:] = np.array([scratch_slot, 0, 0, 0], dtype=np.int64)[:, None]
+        cu[:s + 1] = rows.cu
+        cu[s + 1:] = rows.cu[-1]
         return flat
 
 
@@ -180,17 +180,16 @@ class MixedGraphs:
                 return t, s
         return None
 
-    def plan(self, num_tokens: int, tok: list, row: list, cu: list, greedy: bool, masks: bool,
-             logprobs: bool) -> Optional[MixedGraphPlan]:
-        """Host side of a mixed step (the runner's pack_mixed lists tok, row, cu): its graph
-        key and padded metadata, or None when no bucket holds it (it runs eagerly)."""
-        num_rows = len(row[0])
+    def plan(self, rows: MixedRows, greedy: bool, masks: bool, logprobs: bool) -> Optional[MixedGraphPlan]:
+        """Host side of a mixed step (mixed_pack.MixedRows): its graph key and padded
+        metadata, or None when no bucket holds it (it runs eagerly)."""
+        num_tokens, num_rows = rows.tok.shape[1], rows.row.shape[1]
         b = self.bucket(num_tokens, num_rows)
         if b is None:
             self._eager(f"no bucket holds {num_rows} rows of {num_tokens} tokens (buckets "
                         f"up to {self.buckets[-1]})", "no-bucket")
             return None
-        meta = host_tensor(MixedMeta.host_flat(tok, row, cu, b[0], b[1], self.scratch_slot))
+        meta = torch.from_numpy(MixedMeta.host_flat(rows, b[0], b[1], self.scratch_slot))
         return MixedGraphPlan((b[0], b[1], graph_variant(greedy, masks, logprobs)), meta)
 
     def replay(self, plan: MixedGraphPlan, upload: Callable[[torch.Tensor], torch.Tensor]

@@ -26,6 +26,7 @@ from .config import AsyncDecision, EngineConfig
 from .decode_graphs import DecodeGraphs, DecodeMeta, graph_buckets
 from .handoff import HostStaging, StepHandle, TokenHandoff, host_tensor
 from .mixed_graphs import MixedGraphs, MixedMeta, mixed_buckets, parse_token_buckets
+from .mixed_pack import MixedRows, pack_rows
 from .layers.attention import AttentionMetadata
 from .layers import skinny_gemm
 from .layers.logprobs import MAX_LOGPROBS, pack_tokens_and_logprobs, packed_width
@@ -274,11 +275,11 @@ class ModelRunner:
             # Decode larger than every graph bucket (or no graphs): the same program, eagerly.
             meta = host_tensor(DecodeMeta.host_rows(rows, 0))
             return StepPlan(len(rows), greedy, masks, logprobs, tables, StepProgram.DECODE_EAGER, decode_meta=meta)
-        tok, row, cu, seq_lens, q_lens = self.pack_mixed(sched)
+        packed = self.pack_mixed(sched)
         mixed = self.mixed_graphs
-        g = None if mixed is None else mixed.plan(sched.num_tokens, tok, row, cu, greedy, masks, logprobs)
+        g = None if mixed is None else mixed.plan(packed, greedy, masks, logprobs)
         return StepPlan(len(rows), greedy, masks, logprobs, tables, StepProgram.MIXED,
-                        mixed=MixedPlan.build(tok, row, cu, seq_lens, q_lens, g))
+                        mixed=MixedPlan.build(packed, g))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> StepHandle:
@@ -366,7 +367,7 @@ class ModelRunner:
         tok, row, cu = (self.staging.upload_tensor(t) for t in m.eager_inputs())
         cu_t = cu.to(torch.int32)
         input_ids = self.gather_input_ids(tok[0], tok[1])
-        p, attn = self.mixed_attention(tok[2], tok[3], row, cu_t, m.seq_lens, m.q_lens)
+        p, attn = self.mixed_attention(tok[2], tok[3], row, cu_t, m.rows.seq_lens, m.rows.q_lens)
         hidden = self.model(input_ids, p, self.kv_caches, attn)
         sampled = self._sample_and_relay(hidden[row[2]], row[0], row[3] > 0, row[1], greedy, masks, logprobs)
         return sampled, (tok, row, cu_t)
@@ -392,35 +393,9 @@ class ModelRunner:
         blk = flat[tok_slot * self.block_table.shape[1] + p // self.block_size].long()
         return blk * self.block_size + p % self.block_size
 
-    def pack_mixed(self, sched: SchedulerOutput):
-        """Host side of a mixed step: tok [ids, relay_src, pos, tok_slot] (4 x T), row
-        [slot, seq_len, last_idx, samples] (4 x S), cu_seqlens_q, seq_lens, q_lens. Runs for
-        every row of every step that carries a prefill chunk: one-token rows (the decodes,
-        most of them) take a branch of single appends."""
-        ids, relay_src, pos, tok_slot = [], [], [], []
-        row_slot, seq_lens, q_lens, last_idx, samples = [], [], [], [], []
-        cu = [0]
-        t = 0
-        for request, start, n, sampled, host_ids, from_relay in sched.rows:
-            slot = request.slot
-            if n == 1:
-                ids.append(host_ids[0])
-                relay_src.append(slot if from_relay else -1)
-                pos.append(start)
-                tok_slot.append(slot)
-            else:
-                ids.extend(host_ids)
-                relay_src.extend(([slot] + [-1] * (n - 1)) if from_relay else [-1] * n)
-                pos.extend(range(start, start + n))
-                tok_slot.extend([slot] * n)
-            row_slot.append(slot)
-            seq_lens.append(start + n)
-            q_lens.append(n)
-            t += n
-            cu.append(t)
-            last_idx.append(t - 1)
-            samples.append(1 if sampled else 0)
-        return [ids, relay_src, pos, tok_slot], [row_slot, seq_lens, last_idx, samples], cu, seq_lens, q_lens
+    def pack_mixed(self, sched: SchedulerOutput) -> MixedRows:
+        """Host side of a mixed step: its per-token and per-row arrays (mixed_pack.py)."""
+        return pack_rows(sched.rows, sched.slots)
 
     def gather_input_ids(self, host_ids: torch.Tensor, relay_src: torch.Tensor) -> torch.Tensor:
         """First stage: input ids, placeholders gathered from the relay buffer by slot."""

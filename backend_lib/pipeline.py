@@ -45,12 +45,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import envs
 from .config import AsyncDecision, EngineConfig
-from .handoff import StepHandle, TokenHandoff, _DoneEvent, host_tensor
+from .handoff import StepHandle, TokenHandoff, _DoneEvent
 from .interpreter import python_executable
 from .layers.logprobs import packed_width
 from .model_runner import ADMISSION_FLOATS, ModelRunner
@@ -127,25 +128,25 @@ def pack_step(runner: ModelRunner, sched: SchedulerOutput, eos_ids: tuple[int, .
     up = runner.pack_table_updates(sched, eos_ids)
     ints, floats, growth = up.ints, up.floats, up.growth
     greedy, masks, logprobs = runner.step_flags(sched)
-    tok, row, cu, seq_lens, q_lens = runner.pack_mixed(sched)
+    packed = runner.pack_mixed(sched)
     flat: list[int] = [v for r in ints for v in r]
     fl = [v for r in floats for v in r]
     if fl:
         flat.extend(struct.unpack(f"<{len(fl)}q", struct.pack(f"<{len(fl)}d", *fl)))
-    for part in (up.history, growth, tok, row):
+    for part in (up.history, growth):
         for r in part:
             flat.extend(r)
-    flat.extend(cu)
     # pageable: gloo sends it from host memory; the device copy goes through runner.staging
     # (a pinned ring: no cudaHostAlloc per step, see HostStaging)
-    payload = host_tensor(flat)
-    n_samples = sum(row[3])
+    payload = torch.from_numpy(np.concatenate([np.array(flat, dtype=np.int64), packed.tok.ravel(),
+                                               packed.row.ravel(), packed.cu]))
+    n_samples = int(packed.row[3].sum())
     header = [0] * HEADER_LEN
-    header[_OP], header[_STEP], header[_S], header[_T] = OP_STEP, sched.step_id, len(row[0]), len(tok[0])
+    header[_OP], header[_STEP], header[_S], header[_T] = OP_STEP, sched.step_id, packed.row.shape[1], packed.num_tokens
     header[_A], header[_G], header[_GREEDY], header[_MASKS] = len(ints), len(growth[0]), int(greedy), int(masks)
     header[_NSAMP], header[_PLEN] = n_samples, payload.numel()
     header[_LOGPROBS], header[_HIST] = int(logprobs), len(up.history[0])
-    return header, payload, seq_lens, q_lens
+    return header, payload, packed.seq_lens, packed.q_lens
 
 
 def stage_forward(runner: ModelRunner, h: list[int], payload_dev: torch.Tensor, seq_lens: list[int],

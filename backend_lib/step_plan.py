@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from .decode_graphs import DecodeGraphPlan
-from .handoff import host_tensor
 from .mixed_graphs import MixedGraphPlan
+from .mixed_pack import MixedRows
 
 
 class StepProgram(enum.Enum):
@@ -37,22 +37,16 @@ class TablePlan:
 
 @dataclass(slots=True)
 class MixedPlan:
-    """A step with prefill chunks: the runner's pack_mixed lists (tok [ids, relay_src, pos,
-    tok_slot], row [slot, seq_len, last_idx, samples], cu_seqlens_q) and the host lengths
-    the eager attention reads; `graph` when a mixed-graph bucket holds the step, else the
-    eager step's inputs as host tensors (built with the plan, on the engine thread)."""
-    tok: list
-    row: list
-    cu: list
-    seq_lens: list
-    q_lens: list
+    """A step with prefill chunks: its packed rows (mixed_pack.MixedRows) and `graph` when a
+    mixed-graph bucket holds the step, else the eager step's inputs as host tensors (built
+    with the plan, on the engine thread)."""
+    rows: MixedRows
     graph: Optional[MixedGraphPlan]
     eager: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
     @classmethod
-    def build(cls, tok: list, row: list, cu: list, seq_lens: list, q_lens: list,
-              graph: Optional[MixedGraphPlan]) -> "MixedPlan":
-        plan = cls(tok, row, cu, seq_lens, q_lens, graph)
+    def build(cls, rows: MixedRows, graph: Optional[MixedGraphPlan]) -> "MixedPlan":
+        plan = cls(rows, graph)
         if graph is None:
             plan.eager_inputs()
         return plan
@@ -61,7 +55,7 @@ class MixedPlan:
         """(tok [4, T], row [4, S], cu [S + 1]) int64 host tensors of the eager step (built
         on first use: a graphed step needs them only when its graph's capture failed)."""
         if self.eager is None:
-            self.eager = (host_tensor(self.tok), host_tensor(self.row), host_tensor(self.cu))
+            self.eager = tuple(torch.from_numpy(a) for a in self.rows)
         return self.eager
 
 

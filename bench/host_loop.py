@@ -90,6 +90,23 @@ def _null_decode_program(runner):
     return program
 
 
+def _null_mixed_program(runner):
+    """The mixed-step program (mixed_graphs.MixedProgram) without its math: fixed token ids
+    for every row, so that on CPU a step carrying prefill chunks costs its host work alone."""
+    import torch
+    from backend_lib.layers.logprobs import packed_width
+    cache: dict = {}
+
+    def program(meta, greedy, masks, logprobs=False):
+        key = (meta.seqs, logprobs)
+        if key not in cache:
+            ids = torch.arange(meta.seqs, dtype=torch.int64) % 500 + 10
+            cache[key] = ids if not logprobs else torch.zeros(meta.seqs, packed_width(), dtype=torch.int64)
+        return cache[key]
+
+    return program
+
+
 class _EmulatedEvent:
     """The token event of one emulated step: complete at the step's end (perf_counter)."""
 
@@ -183,6 +200,7 @@ def build_engine(args, submission: str = "inline", lookahead: int = 1):
     eng = LLMEngine(EngineConfig(**kw))
     if args.device == "cpu":
         eng.runner._decode_program = _null_decode_program(eng.runner)
+        eng.runner._mixed_program = _null_mixed_program(eng.runner)
         eng.runner.use_stand_in_graphs()
         if args.device_us:
             eng._emulated_device = _EmulatedDevice(args.device_us)

@@ -8,11 +8,13 @@ be token-identical to the eager mixed step and to HF.
 import logging
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from backend_lib import EngineConfig, SamplingParams
 from backend_lib.decode_graphs import GRAPH_VARIANTS
+from backend_lib.mixed_pack import MixedRows, pack_rows
 from backend_lib.mixed_graphs import (STARTUP_VARIANTS, MixedGraphs, MixedMeta, mixed_buckets, parse_token_buckets,
                                       seq_buckets)
 from engine_helpers import expected_from_reference, hf_greedy, make_engine, random_prompt, run_specs
@@ -65,9 +67,9 @@ def test_metadata_layout_and_padding():
     # row of slot 0 whose input id comes from the relay; bucket (8 tokens, 4 rows), scratch 9.
     tok = [[11, 12, 13, 0], [-1, -1, -1, 0], [5, 6, 7, 20], [2, 2, 2, 0]]
     row = [[2, 0], [8, 21], [2, 3], [0, 1]]
-    flat = MixedMeta.host_flat(tok, row, [0, 3, 4], 8, 4, scratch_slot=9)
+    flat = MixedMeta.host_flat(MixedRows(np.array(tok), np.array(row), np.array([0, 3, 4])), 8, 4, scratch_slot=9)
     assert len(flat) == MixedMeta.size(8, 4)
-    m = MixedMeta(torch.tensor(flat), 8, 4)
+    m = MixedMeta(torch.from_numpy(flat), 8, 4)
     assert m.ids.tolist() == [11, 12, 13, 0, 0, 0, 0, 0]
     assert m.relay_src.tolist() == [-1, -1, -1, 0, -1, -1, -1, -1]
     assert m.pos.tolist() == [5, 6, 7, 20, 0, 0, 0, 0]
@@ -79,6 +81,50 @@ def test_metadata_layout_and_padding():
     assert m.cu.tolist() == [0, 3, 4, 4, 4]
     empty = MixedMeta.empty(8, 4, 9, torch.device("cpu"))
     assert empty.cu.tolist() == [0] * 5 and empty.tok_slot.tolist() == [9] * 8 and empty.row_slot.tolist() == [9] * 4
+
+
+def _pack_by_row(rows):
+    """The mixed step's arrays by their definition, one row and one token at a time."""
+    tok, row, cu = [[], [], [], []], [[], [], [], []], [0]
+    for req, start, n, samples, ids, from_relay in rows:
+        for j in range(n):
+            tok[0].append(ids[j])
+            tok[1].append(req.slot if from_relay and j == 0 else -1)
+            tok[2].append(start + j)
+            tok[3].append(req.slot)
+        cu.append(cu[-1] + n)
+        for k, v in enumerate((req.slot, start + n, cu[-1] - 1, int(samples))):
+            row[k].append(v)
+    return tok, row, cu
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_packed_rows_match_their_definition(seed):
+    """pack_rows (numpy, per row only where it reads a row) against the per-token expansion:
+    relay decode rows, host-known single tokens, prefill chunks, a relay row with a chunk
+    behind it (recomputation after preemption), in random order and sizes."""
+    from backend_lib.scheduler import ScheduledRow
+    rng = random.Random(seed)
+
+    class Req:
+        def __init__(self, slot):
+            self.slot = slot
+
+    rows = []
+    for slot in rng.sample(range(300), rng.randint(1, 60)):
+        kind = rng.choice(("relay", "relay", "relay", "host1", "chunk", "relay-chunk"))
+        start = rng.randint(0, 900)
+        n = 1 if kind in ("relay", "host1") else rng.randint(2, 300)
+        ids = [rng.randint(1, 30000) for _ in range(n)]
+        if kind.startswith("relay"):
+            ids[0] = 0
+        rows.append(ScheduledRow(Req(slot), start, n, rng.random() < 0.8, ids, kind.startswith("relay")))
+    packed = pack_rows(rows, [r.request.slot for r in rows])
+    tok, row, cu = _pack_by_row(rows)
+    assert packed.tok.dtype == packed.row.dtype == packed.cu.dtype == np.int64
+    assert packed.tok.tolist() == tok and packed.row.tolist() == row and packed.cu.tolist() == cu
+    assert packed.seq_lens == row[1] and packed.q_lens == [r.num_new_tokens for r in rows]
+    assert packed.num_tokens == cu[-1]
 
 
 # ---- whole workloads through the stand-in graphs -------------------------------------------
