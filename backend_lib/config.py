@@ -22,6 +22,14 @@ _TRISTATE = ("auto", "on", "off")
 _SUBMISSION = ("inline", "thread")
 
 
+# A larger scheduler_delay_factor would hold prompts back for hundreds of steps: a mistake, not a setting.
+MAX_DELAY_FACTOR = 100.0
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)  # NaN then fails the range check
+
+
 @dataclass
 class EngineConfig:
     model_path: str = "models/tiny-llama"
@@ -42,6 +50,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256         # largest captured decode bucket
     cuda_graph_mixed: bool = True           # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py; with enable_cuda_graph)
     cuda_graph_mixed_tokens: str = ""       # their token buckets, e.g. "64,256,1024"; "": mixed_graphs.default_token_buckets
+    scheduler_delay_factor: float = 0.0     # vLLM's: new prompts wait until the oldest has waited this x the last admission step's latency (0: at once)
     pipeline_parallel_size: int = 1
     max_stop_token_ids: int = 16            # per-request device-side stop-id table width
     seed: int = 0                           # engine seed for requests that give none
@@ -76,6 +85,8 @@ class EngineConfig:
             fail("step_lookahead", "must be 1 or 2")
         if self.step_submission == "thread" and self.pipeline_parallel_size > 1:
             fail("step_submission", "'thread' is for the single-GPU engine (pipeline stages launch their own steps)")
+        if not _is_number(self.scheduler_delay_factor) or not 0.0 <= self.scheduler_delay_factor <= MAX_DELAY_FACTOR:
+            fail("scheduler_delay_factor", f"must be a number in [0, {MAX_DELAY_FACTOR:g}]")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             fail("gpu_memory_utilization", "must be in (0, 1]")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_cuda_graph", "cuda_graph_mixed"):

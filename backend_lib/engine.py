@@ -24,6 +24,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from . import envs
+from .admission_delay import AdmissionDelay
 from .config import EngineConfig, resolve_async_handoff
 from .kv_cache import BlockPool
 from .model_runner import ModelRunner
@@ -88,7 +89,8 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    cfg.enable_chunked_prefill,
-                                   BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching))
+                                   BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching),
+                                   AdmissionDelay(cfg.scheduler_delay_factor))
         self.async_enabled = self.decision.enabled
         self.submission = make_submission(cfg.step_submission, self.runner, self.eos_token_ids)
         # Stops a submission thread also when the engine is dropped without close().

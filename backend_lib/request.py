@@ -142,6 +142,7 @@ class Request:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival: int = field(default_factory=lambda: next(_request_counter))
+    arrival_time: float = 0.0      # the scheduler's clock when it took the request (admission delay)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0

@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
+from .admission_delay import AdmissionDelay
 from .kv_cache import ROOT_HASH, BlockPool, SlotPool, block_hash
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 
@@ -96,13 +97,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool, blocks: BlockPool):
+                 enable_chunked_prefill: bool, blocks: BlockPool, delay: Optional[AdmissionDelay] = None):
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
         self.blocks = blocks
         self.slots = SlotPool(max_num_seqs)
+        self.delay = delay or AdmissionDelay(0.0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -117,6 +119,7 @@ class Scheduler:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         # Both length limits as one bound on the outputs (max_tokens, and max_model_len).
         req.max_output_tokens = min(req.sampling.max_tokens, self.max_model_len - req.num_prompt_tokens)
+        req.arrival_time = self.delay.clock()
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -208,7 +211,8 @@ class Scheduler:
             i += 1
 
         out.num_tokens += num_fast
-        if out.num_preempted == 0:
+        oldest = min(r.arrival_time for r in self.waiting) if self.waiting and self.delay.factor else None
+        if self.delay.may_admit(oldest, bool(self.running)) and out.num_preempted == 0:
             if self.waiting:  # only an admission can use what is committed now
                 for req in self.running:
                     # inline: only rows that completed a block since their last commit
@@ -248,6 +252,8 @@ class Scheduler:
                 self._add_row(out, req, n, need, table_from=0)
                 self._commit_blocks(req)  # the next admission may share what this row computes
                 budget -= n
+            if out.new_slots:
+                self.delay.admitted()
         return out
 
     def _grow_one_block(self, out: SchedulerOutput, req: Request, computed: int) -> bool:

@@ -1,0 +1,39 @@
+"""When new prompts may join the running batch: vLLM's `scheduler_delay_factor`.
+
+Each step that admits a prompt carries prefill chunks, and such a step costs the host more
+than a decode step (its rows are packed, its tables written, its blocks hashed). Requests
+that trickle in one at a time make almost every step one of those; holding new prompts back
+a little lets several join in one step. vLLM's rule, kept as it is: admit once the oldest
+waiting request has waited longer than `factor` times the latency of the last step that
+admitted (the time from its schedule to the next one), or at once when nothing is running.
+A factor of 0 admits at once.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+
+class AdmissionDelay:
+    def __init__(self, factor: float, clock: Callable[[], float] = time.monotonic):
+        self.factor = factor
+        self.clock = clock
+        self.last_prompt_latency = 0.0
+        self._prev_time = 0.0
+        self._prev_admitted = False
+
+    def may_admit(self, oldest_arrival: Optional[float], anything_running: bool) -> bool:
+        """Called at every schedule, before admitting: whether prompts may join now.
+        oldest_arrival: the oldest waiting request's arrival (this clock's), None when none waits."""
+        if self.factor <= 0.0:
+            return True
+        now = self.clock()
+        if self._prev_admitted:
+            self.last_prompt_latency = now - self._prev_time
+        self._prev_time, self._prev_admitted = now, False
+        return oldest_arrival is None or not anything_running \
+            or now - oldest_arrival > self.factor * self.last_prompt_latency
+
+    def admitted(self) -> None:
+        """This schedule admitted a prompt: its latency is measured at the next schedule."""
+        self._prev_admitted = True
