@@ -91,15 +91,16 @@ class ModelRunner:
         # padding and non-sampling rows write into, so no real row is ever written twice.
         self.block_table = torch.zeros(n + 1, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.relay = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-        self.temperature = torch.ones(n + 1, dtype=torch.float32, device=dev)
-        self.top_k = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-        self.top_p = torch.ones(n + 1, dtype=torch.float32, device=dev)
-        self.seed = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-        self.prompt_len = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-        self.min_tokens = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-        self.banned = torch.full((n + 1, k), -1, dtype=torch.int64, device=dev)
-        self.min_stop = torch.full((n + 1, k + 8), -1, dtype=torch.int64, device=dev)
-        self.min_p = torch.zeros(n + 1, dtype=torch.float32, device=dev)
+        # Sampling state: one int64 and one float32 table whose rows are laid out as an
+        # admission's (pack_table_updates), so admitting is two scatters; the sampler reads
+        # the named column views.
+        self.slot_ints = torch.full((n + 1, 4 + k + k + 8), -1, dtype=torch.int64, device=dev)
+        self.slot_ints[:, :4] = 0
+        self.top_k, self.seed, self.prompt_len, self.min_tokens = self.slot_ints[:, :4].unbind(1)
+        self.banned = self.slot_ints[:, 4:4 + k]           # ids never sampled
+        self.min_stop = self.slot_ints[:, 4 + k:]          # stop ids masked until min_tokens
+        self.slot_floats = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float32, device=dev).repeat(n + 1, 1)
+        self.temperature, self.top_p, self.min_p = self.slot_floats.unbind(1)  # ADMISSION_FLOATS[:3]
         # Penalty state lives where the sampler runs (the last pipeline stage).
         self.penalties = PenaltyState(n + 1, s.vocab_size, dev) if self.model.is_last else None
         # Host mirrors of per-slot flags that pick the cheaper sampling program.
@@ -217,17 +218,9 @@ class ModelRunner:
 
     def apply_admissions(self, it: torch.Tensor, ft: torch.Tensor) -> None:
         """Device side: scatter admission rows ([A, admission_width] int64, [A, ADMISSION_FLOATS] f32)."""
-        k = self.banned.shape[1]
         slots = it[:, 0]
-        self.top_k[slots] = it[:, 1]
-        self.seed[slots] = it[:, 2]
-        self.prompt_len[slots] = it[:, 3]
-        self.min_tokens[slots] = it[:, 4]
-        self.banned[slots] = it[:, 5:5 + k]
-        self.min_stop[slots] = it[:, 5 + k:]
-        self.temperature[slots] = ft[:, 0]
-        self.top_p[slots] = ft[:, 1]
-        self.min_p[slots] = ft[:, 2]
+        self.slot_ints[slots] = it[:, 1:]
+        self.slot_floats[slots] = ft[:, :self.slot_floats.shape[1]]
         if self.penalties is not None:
             self.penalties.admit(slots, ft[:, 3:6])
 
