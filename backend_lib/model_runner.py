@@ -103,10 +103,12 @@ class ModelRunner:
         self.temperature, self.top_p, self.min_p = self.slot_floats.unbind(1)  # ADMISSION_FLOATS[:3]
         # Penalty state lives where the sampler runs (the last pipeline stage).
         self.penalties = PenaltyState(n + 1, s.vocab_size, dev) if self.model.is_last else None
-        # Host mirrors of per-slot flags that pick the cheaper sampling program.
-        self._slot_greedy = [True] * (n + 1)
-        self._slot_masks = [False] * (n + 1)
-        self._slot_logprobs = [False] * (n + 1)
+        # Host mirrors of per-slot flags that pick the cheaper sampling program: the slots whose
+        # request (the last one admitted there) samples, needs masks/filters/penalties, wants
+        # logprobs. Sets, so that an all-greedy batch answers without a pass over its rows.
+        self._sampling_slots: set[int] = set()
+        self._mask_slots: set[int] = set()
+        self._logprob_slots: set[int] = set()
         self._flags_slots: list[int] = []   # step_flags' last question and answer
         self._flags = (True, False, False)
         self.scratch_slot = n
@@ -198,10 +200,14 @@ class ModelRunner:
                     row["temperature"] = 0.0  # the sampler's greedy rows are those of temperature 0
                 floats.append([row[name] for name in ADMISSION_FLOATS])
                 penalized = _has_penalties(sp)
-                self._slot_greedy[slot] = sp.greedy
-                self._slot_masks[slot] = (bool(sp.bad_token_ids) or sp.min_tokens > 0 or sp.top_k > 0
-                                          or sp.top_p < 1.0 or sp.min_p > 0.0 or penalized)
-                self._slot_logprobs[slot] = sp.logprobs is not None
+                masks = (bool(sp.bad_token_ids) or sp.min_tokens > 0 or sp.top_k > 0 or sp.top_p < 1.0
+                         or sp.min_p > 0.0 or penalized)
+                for flagged, on in ((self._sampling_slots, not sp.greedy), (self._mask_slots, masks),
+                                    (self._logprob_slots, sp.logprobs is not None)):
+                    if on:
+                        flagged.add(slot)
+                    else:
+                        flagged.discard(slot)
                 if penalized:
                     # The tokens this request already has (prompt, and outputs from before a
                     # preemption) seed its penalty state; later tokens count on the device.
@@ -241,8 +247,9 @@ class ModelRunner:
         slots = sched.slots
         if not sched.new_slots and slots == self._flags_slots:
             return self._flags
-        g, m, lp = self._slot_greedy, self._slot_masks, self._slot_logprobs
-        self._flags = (all(g[s] for s in slots), any(m[s] for s in slots), any(lp[s] for s in slots))
+        sampling, masks, logprobs = self._sampling_slots, self._mask_slots, self._logprob_slots
+        self._flags = (not sampling or sampling.isdisjoint(slots), bool(masks) and not masks.isdisjoint(slots),
+                       bool(logprobs) and not logprobs.isdisjoint(slots))
         self._flags_slots = list(slots)
         return self._flags
 
