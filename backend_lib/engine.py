@@ -49,6 +49,7 @@ class EngineStats:
     generation_tokens_total: int = 0
     async_steps_total: int = 0
     sync_steps_total: int = 0
+    prefill_steps_total: int = 0    # steps that carried prefill chunks (mixed steps): more host work than a decode step
     num_preemptions: int = 0
     prefill_tokens_total: int = 0               # known tokens whose KV was computed (recomputation included)
     prefix_cache_queried_tokens_total: int = 0  # tokens of admitted requests looked up in the prefix cache
@@ -105,6 +106,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._async_steps = 0
         self._sync_steps = 0
+        self._prefill_steps = 0
         self._step_s = 0.0
         self._wait_s = 0.0
         # The heap is at its largest and longest-lived now (torch, transformers, the model):
@@ -203,6 +205,8 @@ class LLMEngine:
                 self._async_steps += 1
             else:
                 self._sync_steps += 1
+            if not sched.is_decode_only:
+                self._prefill_steps += 1
         elif not self._inflight:
             self.runner.handoff.reset_gap_chain()
         outputs = self.scheduler.take_finished()
@@ -267,6 +271,7 @@ class LLMEngine:
             prompt_tokens_total=s.stats.prompt_tokens_total,
             generation_tokens_total=s.stats.generation_tokens_total,
             async_steps_total=self._async_steps, sync_steps_total=self._sync_steps,
+            prefill_steps_total=self._prefill_steps,
             num_preemptions=s.stats.num_preemptions,
             prefill_tokens_total=s.stats.prefill_tokens_total,
             prefix_cache_queried_tokens_total=s.stats.prefix_cache_queried_tokens_total,

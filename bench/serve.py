@@ -335,6 +335,19 @@ INPROC_LABEL = "in-process AsyncEngine"
 ENGINE_PROCESS_LABEL = "in-process EngineProcessClient"
 
 
+def engine_step_stats(s0, s1, seconds: float) -> dict:
+    """The engine's pace over a point from two EngineStats: steps a second, host µs a step
+    (time in step() less the waits on the device), tokens a step, and the share of steps that
+    carried prefill chunks (each costs the host more than a decode step)."""
+    steps = (s1.async_steps_total + s1.sync_steps_total) - (s0.async_steps_total + s0.sync_steps_total)
+    if steps <= 0:
+        return {}
+    host_s = (s1.step_time_s - s1.wait_time_s) - (s0.step_time_s - s0.wait_time_s)
+    return {"steps_per_s": steps / seconds, "host_us_per_step": host_s / steps * 1e6,
+            "tokens_per_step": (s1.generation_tokens_total - s0.generation_tokens_total) / steps,
+            "prefill_step_share": (s1.prefill_steps_total - s0.prefill_steps_total) / steps}
+
+
 def run_inprocess(args, params, vocab, busy: GpuBusy, report: "Report", process: bool = False) -> None:
     """The closed loop on AsyncEngine and steady decode; process=True: the closed loop on
     EngineProcessClient (the llm model's engine, without Triton), no steady rows."""
@@ -352,9 +365,12 @@ def run_inprocess(args, params, vocab, busy: GpuBusy, report: "Report", process:
                     tag = f"ip-{wl}-{sampling}-{c}"
                     closed_loop(eng, reqs, sampling, c, max(c, args.warmup), tag + "-warm", args.point_timeout)
                     n = max(args.min_requests, c * args.rounds)
-                    t0 = time.perf_counter()
+                    s0, t0 = eng.stats(), time.perf_counter()
                     recs = closed_loop(eng, reqs, sampling, c, n, tag, args.point_timeout)
-                    report.add(row_from(label, wl, sampling, c, recs, busy.mean(t0, time.perf_counter())))
+                    t1 = time.perf_counter()
+                    row = row_from(label, wl, sampling, c, recs, busy.mean(t0, t1))
+                    row.update(engine_step_stats(s0, eng.stats(), t1 - t0))
+                    report.add(row)
         if process:
             return
         # steady decode of the same engine: batch c of the fixed workload, all at once
@@ -612,7 +628,7 @@ POINT_COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure"
                   "nv_inference_compute_infer_duration_us", "llm_responses_sent_total",
                   "llm_response_send_seconds_total", "llm_async_steps_total", "llm_sync_steps_total",
                   "llm_gpu_idle_gap_seconds_sum", "llm_step_seconds_total", "llm_step_gpu_wait_seconds_total",
-                  "llm_generation_tokens_total")
+                  "llm_generation_tokens_total", "llm_prefill_steps_total")
 
 
 def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy: GpuBusy, work: Path) -> dict:
@@ -658,6 +674,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     if steps > 0:
         extra["host_us_per_step"] = (d["llm_step_seconds_total"] - d["llm_step_gpu_wait_seconds_total"]) / steps * 1e6
         extra["tokens_per_step"] = d["llm_generation_tokens_total"] / steps
+        extra["prefill_step_share"] = d["llm_prefill_steps_total"] / steps
     if rc != 0 or not recs:
         extra["perf_analyzer_rc"] = rc
         extra["perf_analyzer_tail"] = out[-800:]
@@ -752,8 +769,9 @@ def markdown(rows: list[dict], header: str) -> str:
              "| workload | sampling | concurrency | path | requests | errors | output tok/s | x steady tok/s | "
              "TTFT ms p50 | p99 | TPOT ms p50 | p99 | TPOT p50 x in-process | TPOT p50 x steady step | "
              "GPU busy | responses/request | stub send µs/response | stub sends/s | engine steps/s | "
-             "GPU idle µs/step | engine host µs/step | tokens/step | Triton queue µs/request | execute µs/request |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GPU idle µs/step | engine host µs/step | tokens/step | prefill steps share | Triton queue µs/request | "
+             "execute µs/request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     loop_rows = [r for r in rows if r["workload"] != "burst"]
     wl_order = {"fixed": 0, "mixed": 1}
     for r in sorted(loop_rows, key=lambda r: (wl_order.get(r["workload"], 9), r["sampling"], r["concurrency"],
@@ -771,7 +789,8 @@ def markdown(rows: list[dict], header: str) -> str:
                      f"{r['responses_per_req']:.1f} | {_f(r.get('send_us'), '.0f')} | "
                      f"{_f(r.get('sends_per_s'), '.0f')} | {_f(r.get('steps_per_s'), '.0f')} | "
                      f"{_f(r.get('idle_us_per_step'), '.0f')} | {_f(r.get('host_us_per_step'), '.0f')} | "
-                     f"{_f(r.get('tokens_per_step'), '.0f')} | {_f(r.get('queue_us'), '.0f')} | "
+                     f"{_f(r.get('tokens_per_step'), '.0f')} | {_f(r.get('prefill_step_share'), '.2f')} | "
+                     f"{_f(r.get('queue_us'), '.0f')} | "
                      f"{_f(r.get('exec_us'), '.0f')} |")
     busy = [r for r in loop_rows if r.get("thread_cpu")]
     if busy:

@@ -34,6 +34,7 @@ NAMES = {
     "healthy": "llm_engine_healthy",
     "async": "llm_async_steps_total",
     "sync": "llm_sync_steps_total",
+    "prefill_steps": "llm_prefill_steps_total",
     "preempt": "llm_preemptions_total",
     "pc_queried": "llm_prefix_cache_queried_tokens_total",
     "pc_hit": "llm_prefix_cache_hit_tokens_total",
@@ -108,6 +109,8 @@ class EngineMetrics:
         self.healthy = metric(fam("healthy", MF.GAUGE, "1 while the engine thread is alive"))
         self.async_steps = metric(fam("async", MF.COUNTER, "Engine steps run with the async token handoff engaged"))
         self.sync_steps = metric(fam("sync", MF.COUNTER, "Engine steps run synchronously"))
+        self.prefill_steps = metric(fam("prefill_steps", MF.COUNTER, "Of the engine steps, those that carried "
+                                                                     "prefill chunks (the rest decode only)"))
         self.preemptions = metric(fam("preempt", MF.COUNTER, "Requests preempted for KV space"))
         self.pc_queried = metric(fam("pc_queried", MF.COUNTER, "Prompt tokens looked up in the prefix cache "
                                                                "(at each admission, recomputation included)"))
@@ -141,7 +144,7 @@ class EngineMetrics:
         self._pending_prompt = self._pending_gen = 0
         self._pending_finished: dict[str, int] = {}
         # each EngineStats total exported so far: the counters grow by the difference
-        self._last = {"async": 0, "sync": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0,
+        self._last = {"async": 0, "sync": 0, "prefill_steps": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0,
                       "step_s": 0.0, "step_wait_s": 0.0}
         self._vllm_alias = {"pc_queried": self.vllm_pc_queried, "pc_hit": self.vllm_pc_hit,
                             "preempt": self.vllm_preempt}
@@ -196,6 +199,7 @@ class EngineMetrics:
         self.healthy.set(1 if healthy else 0)
         for key, total, m in (("async", st.async_steps_total, self.async_steps),
                               ("sync", st.sync_steps_total, self.sync_steps),
+                              ("prefill_steps", getattr(st, "prefill_steps_total", 0), self.prefill_steps),
                               ("preempt", getattr(st, "num_preemptions", 0), self.preemptions),
                               ("pc_queried", getattr(st, "prefix_cache_queried_tokens_total", 0), self.pc_queried),
                               ("pc_hit", getattr(st, "prefix_cache_hit_tokens_total", 0), self.pc_hit),

@@ -75,6 +75,10 @@ def test_every_row_with_all_its_requests_and_no_errors(report):
         assert r["responses_per_req"] >= 1, (key, r)
         if not r["path"].startswith("steady"):
             assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p99"] >= r["tpot_ms_p50"], (key, r)
+        if r["path"] in ("Triton", "in-process AsyncEngine"):
+            # every request's prompt rides in some step: a share of the steps, not all of them
+            # (outputs of OUTPUT tokens take decode steps of their own)
+            assert 0 < r["prefill_step_share"] < 1 and r["host_us_per_step"] > 0, (key, r)
     burst = {r["path"]: r for r in rows if r["workload"] == "burst"}
     # the same requests in both modes: the same tokens, async on (CPU stand-ins) vs off
     assert burst["in-process, async handoff on"]["async_enabled"] is True

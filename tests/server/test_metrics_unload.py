@@ -20,7 +20,7 @@ def test_metrics_are_exact(server):
     names = ["llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
              "llm_time_per_output_token_seconds_count", "llm_sync_steps_total", "llm_async_steps_total",
              "llm_requests_rejected_total", "llm_responses_sent_total", "llm_response_send_seconds_total",
-             "llm_step_seconds_total", "llm_step_gpu_wait_seconds_total"]
+             "llm_step_seconds_total", "llm_step_gpu_wait_seconds_total", "llm_prefill_steps_total"]
     before = {n: server.metric(n) for n in names}
     length0 = server.metric("llm_requests_finished_total", reason="length")
     prompts = [[1 + i] * (3 + i) for i in range(5)]           # 3..7 tokens: 25 in all
@@ -54,6 +54,8 @@ def test_metrics_are_exact(server):
     steps = d["llm_sync_steps_total"] + d["llm_async_steps_total"]
     assert steps >= max(max_tokens)
     assert d["llm_async_steps_total"] == 0
+    # of which those carrying a prompt: each prompt (3-7 tokens) fits one step, so 1 to 5 of them
+    assert 1 <= d["llm_prefill_steps_total"] <= 5 < steps
     # the engine thread's time in those steps, of which its waits on the device
     assert 0 < d["llm_step_seconds_total"] < 60
     assert 0 <= d["llm_step_gpu_wait_seconds_total"] <= d["llm_step_seconds_total"]
