@@ -3,24 +3,36 @@
 Each step that admits a prompt carries prefill chunks, and such a step costs the host more
 than a decode step (its rows are packed, its tables written, its blocks hashed). Requests
 that trickle in one at a time make almost every step one of those; holding new prompts back
-a little lets several join in one step. vLLM's rule, kept as it is: admit once the oldest
-waiting request has waited longer than `factor` times the latency of the last step that
-admitted (the time from its schedule to the next one), or at once when nothing is running.
-A factor of 0 admits at once.
+a little lets several join in one step. vLLM's rule: admit once the oldest waiting request
+has waited longer than `factor` times the latency of an admitting step (the time from its
+schedule to the next one), or at once when nothing is running; a factor of 0 admits at once.
+One difference: vLLM takes the last admitting step's latency, this takes the median of the
+last few, so that a one-off slow step (a CUDA graph captured on first use, a kernel compiled)
+does not hold every new prompt back for factor x seconds.
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from typing import Callable, Optional
+
+# Admitting steps whose latencies the delay follows (their median).
+LATENCY_WINDOW = 5
 
 
 class AdmissionDelay:
     def __init__(self, factor: float, clock: Callable[[], float] = time.monotonic):
         self.factor = factor
         self.clock = clock
-        self.last_prompt_latency = 0.0
+        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._prev_time = 0.0
         self._prev_admitted = False
+
+    @property
+    def prompt_latency(self) -> float:
+        """The median latency of the last admitting steps (0 before the first)."""
+        return statistics.median(self._latencies) if self._latencies else 0.0
 
     def may_admit(self, oldest_arrival: Optional[float], anything_running: bool) -> bool:
         """Called at every schedule, before admitting: whether prompts may join now.
@@ -29,10 +41,10 @@ class AdmissionDelay:
             return True
         now = self.clock()
         if self._prev_admitted:
-            self.last_prompt_latency = now - self._prev_time
+            self._latencies.append(now - self._prev_time)
         self._prev_time, self._prev_admitted = now, False
         return oldest_arrival is None or not anything_running \
-            or now - oldest_arrival > self.factor * self.last_prompt_latency
+            or now - oldest_arrival > self.factor * self.prompt_latency
 
     def admitted(self) -> None:
         """This schedule admitted a prompt: its latency is measured at the next schedule."""

@@ -484,10 +484,10 @@ class EngineProcessClient(OutputSinks):
             self._stopped_cleanly = True
 
     def _core_gone(self) -> None:
-        """The core's socket closed: after a clean stop every request the core took has had its
-        final output (one sent behind the STOP ends with an error, as the core refuses it; after
-        a stop that did not finish, aborted); otherwise the core died and every request ends
-        with an error."""
+        """The core's socket closed: after a stop every request the core took has had its final
+        output, and any left (sent behind the STOP, or the stop did not finish) ends as aborted,
+        as the core ends one that reaches it behind the STOP and as AsyncEngine ends requests
+        at shutdown; otherwise the core died and every request ends with an error."""
         if self.error is None and not (self._stopped_cleanly or self._stopping):
             try:
                 code = self._proc.wait(5) if self._proc is not None else None
@@ -500,10 +500,6 @@ class EngineProcessClient(OutputSinks):
             ev[0].set()
         if self.error is not None:
             self._fail_all(FinishReason.ERROR, f"engine failed: {self.error!r}")
-        elif self._stopped_cleanly:
-            # Every request the core took had its final before STOPPED: what is left was sent
-            # behind this client's STOP, and the core refuses (or would refuse) it.
-            self._fail_all(FinishReason.ERROR, wire.SHUTTING_DOWN)
         else:
             self._fail_all(FinishReason.ABORT, None)
         if not self._shared:

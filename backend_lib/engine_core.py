@@ -95,9 +95,8 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
         clients.close_listener()
         return ending
 
-    def refuse(cid: int, rid: str, why: str) -> None:
-        out.control((wire.STEPS, [[wire.encode_output(RequestOutput(rid, [], True, FinishReason.ERROR,
-                                                                     error=why))]]), cid)
+    def refuse(cid: int, rid: str, reason: FinishReason, why: Optional[str]) -> None:
+        out.control((wire.STEPS, [[wire.encode_output(RequestOutput(rid, [], True, reason, error=why))]]), cid)
 
     def apply(cid: int, batch) -> Optional[str]:
         """One client's command list, in order."""
@@ -109,10 +108,10 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
             if kind == wire.ADD:
                 _, rid, prompt, params = cmd
                 if rid in owner:  # another client's (or a live) request: its routing stays
-                    refuse(cid, rid, f"request_id {rid!r} is already in use")
+                    refuse(cid, rid, FinishReason.ERROR, f"request_id {rid!r} is already in use")
                     continue
-                if cid in clients.detaching:  # sent before its STOP reached us: it leaves
-                    refuse(cid, rid, wire.SHUTTING_DOWN)
+                if cid in clients.detaching:  # sent behind its STOP: ends as its other requests do
+                    refuse(cid, rid, FinishReason.ABORT, None)
                     continue
                 owner[rid] = cid  # before the engine can make an output for it
                 try:

@@ -30,8 +30,6 @@ STARTUP_ERROR = "startup"  # (STARTUP_ERROR, exception type name, message, trace
 STEPS = "steps"            # (STEPS, [step, ...]); step = [output tuple, ...]
 DIED = "died"              # (DIED, repr(exception)): the engine loop raised; the core exits
 STOPPED = "stopped"        # (STOPPED,): every request got its final output; the core exits
-# The error of a request that reached the core behind its client's STOP (it never runs).
-SHUTTING_DOWN = "engine client is shutting down"
 
 OUTPUT_FIELDS = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens",
                  "num_output_tokens", "error", "new_logprobs", "cumulative_logprob", "index")

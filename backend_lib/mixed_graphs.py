@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .decode_graphs import GRAPH_VARIANTS, CapturedGraph, capture_graph, graph_variant
-from .mixed_pack import MixedRows
+from .mixed_pack import MixedRows, pack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class MixedMeta:
     @classmethod
     def empty(cls, tokens: int, seqs: int, scratch_slot: int, device: torch.device) -> "MixedMeta":
         """All padding (what warm-up and capture run on: every write goes to scratch)."""
-        none = MixedRows(np.zeros((4, 0), np.int64), np.zeros((4, 0), np.int64), np.zeros(1, np.int64))
+        none = pack_rows([], [])
         return cls(torch.from_numpy(cls.host_flat(none, tokens, seqs, scratch_slot)).to(device), tokens, seqs)
 
     @staticmethod

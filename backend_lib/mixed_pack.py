@@ -39,6 +39,8 @@ def pack_rows(rows: Sequence, slots: Sequence[int]) -> MixedRows:
     """rows: ScheduledRow (request, start_pos, num_new_tokens, samples, host_token_ids,
     first_from_relay); slots: each row's request slot (SchedulerOutput.slots)."""
     s = len(rows)
+    if s == 0:
+        return MixedRows(np.zeros((4, 0), np.int64), np.zeros((4, 0), np.int64), np.zeros(1, np.int64))
     _, start, n, samples, host_ids, from_relay = zip(*rows)  # columns, transposed in C
     slot = np.array(slots, dtype=np.int64)
     start = np.array(start, dtype=np.int64)

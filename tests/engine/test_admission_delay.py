@@ -1,6 +1,6 @@
 """scheduler_delay_factor (vLLM's rule, backend_lib/admission_delay.py): new prompts join the
-running batch once the oldest waiting one has waited longer than factor x the latency of the
-last step that admitted, or at once when nothing runs; the outputs stay HF's."""
+running batch once the oldest waiting one has waited longer than factor x the latency of an
+admitting step (the median of the last few), or at once when nothing runs; the outputs stay HF's."""
 import random
 
 import pytest
@@ -49,7 +49,7 @@ def test_prompts_wait_for_factor_times_the_last_admitting_step():
     _decode(s, out)
     s.add(_req("b"))
     out = s.schedule()                       # measures the admitting step: latency 10 ms
-    assert s.delay.last_prompt_latency == pytest.approx(0.010)
+    assert s.delay.prompt_latency == pytest.approx(0.010)
     assert _admitted(out) == []              # b waited 0 ms of the 20 ms
     for waited_ms in (5, 12, 19):
         clock.t += 0.005 if waited_ms == 5 else 0.007
@@ -63,6 +63,25 @@ def test_prompts_wait_for_factor_times_the_last_admitting_step():
     out = s.schedule()
     assert _admitted(out) == ["b", "c"]
     assert [r.request.request_id for r in out.rows][-2:] == ["b", "c"] and s.num_waiting == 0
+
+
+def test_one_slow_admitting_step_does_not_hold_prompts_back():
+    """A first-use graph capture made the last admitting step take 2 s: with factor 4, vLLM's
+    rule (the last latency) would hold the next prompt 8 s; the median of the last few keeps
+    the delay at the usual steps' scale."""
+    clock = Clock()
+    d = AdmissionDelay(4.0, clock)
+    for took in (0.010, 0.010, 0.010, 2.0):   # four admitting steps, the last one slow
+        d.may_admit(None, True)
+        d.admitted()
+        clock.t += took
+    arrival = clock.t
+    assert not d.may_admit(arrival, True)      # measures the slow one; the prompt just came
+    assert d.prompt_latency == pytest.approx(0.010)
+    clock.t += 0.030
+    assert not d.may_admit(arrival, True)      # 30 ms < 4 x 10 ms
+    clock.t += 0.015
+    assert d.may_admit(arrival, True)          # 45 ms
 
 
 def test_factor_zero_admits_every_step_and_an_idle_engine_admits_at_once():
@@ -119,4 +138,4 @@ def test_outputs_with_a_delay_are_hfs(path, async_mode):
         exp, reason = expected_from_reference(hf_greedy(path, sp.prompt, sp.params.max_tokens), sp.params)
         res = info.results[sp.rid]
         assert (res.tokens, res.finish_reason) == (exp, reason), sp.rid
-    assert len(held) >= 10 and eng.scheduler.delay.last_prompt_latency >= 1.0
+    assert len(held) >= 10 and eng.scheduler.delay.prompt_latency >= 1.0

@@ -127,6 +127,12 @@ def test_packed_rows_match_their_definition(seed):
     assert packed.num_tokens == cu[-1]
 
 
+def test_packing_no_rows_gives_empty_arrays():
+    packed = pack_rows([], [])
+    assert packed.tok.shape == (4, 0) and packed.row.shape == (4, 0) and packed.cu.tolist() == [0]
+    assert packed.seq_lens == [] and packed.q_lens == [] and packed.num_tokens == 0
+
+
 # ---- whole workloads through the stand-in graphs -------------------------------------------
 
 class _MetaLog:

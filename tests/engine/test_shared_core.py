@@ -331,7 +331,8 @@ def test_a_client_cannot_abort_another_clients_request(pair, reference):
 
 def test_an_add_behind_a_clients_stop_is_refused(path, request):
     """An execute() thread's batched ADD that reaches the core right behind its client's STOP
-    ends at once with an error, instead of running to completion before the client may go."""
+    ends at once, aborted as the client's other requests at a stop (and as AsyncEngine's at
+    shutdown), instead of running to completion before the client may go."""
     from backend_lib import engine_wire as wire
     key = _key(request)
     a = EngineProcessClient(_config(path), share_key=key)
@@ -350,7 +351,7 @@ def test_an_add_behind_a_clients_stop_is_refused(path, request):
         # Whether the core's refusal or its STOPPED reaches b first, both end the same way.
         for outs in (late, unsent):
             assert [(o.finished, str(o.finish_reason), o.new_token_ids, o.error) for o in outs] == \
-                [(True, "error", [], wire.SHUTTING_DOWN)]
+                [(True, "abort", [], None)]
         assert a.is_healthy()
     finally:
         a.shutdown()
