@@ -277,18 +277,3 @@ def _hang_up(conn: Connection) -> None:
     except (OSError, TypeError):  # closed already
         pass
 
-
-def die_with_process(pid: int) -> None:
-    """End this process when process `pid` ends (a shared core outlives the client that spawned
-    it, not the server whose model instances it serves)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except (OSError, AttributeError):
-        return
-
-    def watch() -> None:
-        import select
-        select.select([fd], [], [])
-        os._exit(1)
-
-    NamedThread(target=watch, name="core-watch", daemon=True).start()

@@ -27,7 +27,8 @@ from multiprocessing.connection import Connection
 from typing import Optional
 
 from . import engine_wire as wire
-from .core_clients import GONE, Clients, Writer, die_with_process
+from .core_clients import GONE, Clients, Writer
+from .process_lifetime import die_with_process
 from .os_threads import name_os_thread
 
 logger = logging.getLogger("backend_lib")
@@ -177,7 +178,7 @@ def main(argv: list[str]) -> int:
         # Shared by several clients: it outlives the one that spawned it (each client's socket
         # closing detaches that client; the last one gone ends the core), not the server.
         listener = socket.socket(fileno=int(argv[2]))
-        die_with_process(int(argv[3]))
+        die_with_process(int(argv[3]), "core-watch")
     else:
         _die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group, and a SIGTERM to the group or cgroup (systemd's

@@ -74,3 +74,53 @@ def test_dead_stage_fails_requests_not_hang(tiny_llama_path, monkeypatch, how):
     finally:
         aeng.shutdown(timeout=20)
     assert not dist.is_initialized()
+
+
+_KILLED_DURING_STARTUP = r"""
+import os, signal, sys, threading, time
+from backend_lib import LLMEngine
+sys.path.insert(0, "tests/pp")
+from pp_workload import _cfg
+
+threading.Thread(target=lambda: LLMEngine(_cfg(sys.argv[1], pp=3, async_mode="off")), daemon=True).start()
+me = str(os.getpid())
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:  # the stage processes exist: they are starting up
+    kids = [p for p in os.listdir("/proc") if p.isdigit() and p != me
+            and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == me
+            and b"multiprocessing-fork" in open(f"/proc/{p}/cmdline", "rb").read()]
+    if len(kids) == 2:
+        print(" ".join(kids), flush=True)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.05)
+"""
+
+
+def test_stage_processes_end_with_a_killed_stage_0_even_during_startup(tiny_llama_path, tmp_path):
+    """Stage 0's process is killed while its stage processes are still starting (loading the
+    model, waiting for the rendezvous): they end at once, not when their 120 s rendezvous
+    timeout runs out."""
+    import subprocess
+    import sys
+
+    def process_alive(pid: int) -> bool:  # not gone, not a zombie
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: the stage processes inherit them
+        p = subprocess.run([sys.executable, "-c", _KILLED_DURING_STARTUP, str(tiny_llama_path)], stdout=o, stderr=e,
+                           timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert p.returncode == -signal.SIGKILL, err.read_text()[-2000:]
+    pids = [int(x) for x in out.read_text().split()]
+    assert len(pids) == 2, out.read_text() + err.read_text()[-2000:]
+    deadline = time.monotonic() + 10
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in pids if process_alive(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], "stage processes outlived stage 0"
