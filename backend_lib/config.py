@@ -50,7 +50,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256         # largest captured decode bucket
     cuda_graph_mixed: bool = True           # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py; with enable_cuda_graph)
     cuda_graph_mixed_tokens: str = ""       # their token buckets, e.g. "64,256,1024"; "": mixed_graphs.default_token_buckets
-    scheduler_delay_factor: float = 0.0     # vLLM's: new prompts wait until the oldest has waited this x the last admission step's latency (0: at once)
+    scheduler_delay_factor: float = 0.0     # vLLM's: new prompts wait until the oldest has waited this x an admitting step's latency (admission_delay.py; 0: at once)
     pipeline_parallel_size: int = 1
     max_stop_token_ids: int = 16            # per-request device-side stop-id table width
     seed: int = 0                           # engine seed for requests that give none
