@@ -6,6 +6,8 @@ waiting on the device, at batch 1/64/256 of steady greedy decode; one table.
     python -m bench.host_loop --device cuda --preset qwen2.5-0.5b --out $OUT/host_loop.json
     # before/after in one run: an older backend_lib (e.g. `git archive <rev> backend_lib | tar -x -C DIR`)
     python -m bench.host_loop --device cuda --preset qwen2.5-0.5b --compare DIR
+    # on a noisy box: N before/after pairs in alternating order, with the median ratio
+    python -m bench.host_loop --batches 256 --churn 3 --prompt-len 256 --compare DIR --repeat 6
     # who launches the steps (EngineConfig.step_submission) and how far ahead (step_lookahead),
     # one table per configuration + a comparison; --device-us: an emulated device step time
     python -m bench.host_loop --submission inline,thread --lookahead 1,2 --device-us 100
@@ -57,6 +59,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -378,6 +381,19 @@ def compare_table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
+def repeat_table(pairs: list[tuple[dict, dict]]) -> str:
+    """--repeat: per batch, host µs/step p50 of every pair (order alternating), and the medians."""
+    lines = [f"{len(pairs)} pairs, alternating order", "| batch | after / before, each pair | median ratio | "
+             "median before µs | median after µs |", "|---|---|---|---|---|"]
+    for i, row in enumerate(pairs[0][0]["rows"]):
+        b = [p[0]["rows"][i]["host_us"] for p in pairs]
+        a = [p[1]["rows"][i]["host_us"] for p in pairs]
+        ratios = [x / y for x, y in zip(a, b)]
+        lines.append(f"| {row['batch']} | {' '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f} | "
+                     f"{statistics.median(b):.1f} | {statistics.median(a):.1f} |")
+    return "\n".join(lines)
+
+
 def run_child(args, backend_dir: str | None, submission: str | None = None, lookahead: int | None = None) -> dict:
     """This benchmark in a fresh process (each engine sizes its KV cache from the device memory
     it finds free: a second engine in one process would find the first one's); backend_dir:
@@ -437,6 +453,8 @@ def main(argv=None) -> None:
     p.add_argument("--profile-sort", default="tottime", choices=("tottime", "cumulative"),
                    help="the profile's order: time in the function itself, or with its callees")
     p.add_argument("--compare", default=None, metavar="DIR", help="also run with DIR/backend_lib (before)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="with --compare: this many before/after pairs (alternating order), and their medians")
     p.add_argument("--lookahead", default=[1], type=lambda s: [int(x) for x in s.split(",")],
                    help="step_lookahead values to measure, e.g. 1,2")
     p.add_argument("--device-us", type=float, default=0.0,
@@ -449,6 +467,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.repeat < 1 or (args.repeat > 1 and not args.compare):
+        p.error("--repeat is a number of before/after pairs (>= 1), with --compare")
     if args.compare and (args.submission != ["inline"] or args.lookahead != [1]):
         p.error("--compare measures inline submission, lookahead 1 only")
     if args.device_us and args.device != "cpu":
@@ -461,10 +481,21 @@ def main(argv=None) -> None:
             json.dump(res, f)
         return
     if args.compare:
-        before = run_child(args, args.compare)
-        after = run_child(args, None)
+        pairs = []
+        for i in range(args.repeat):
+            # alternate which side runs first: on a shared box the second run of a pair is
+            # often slower, which one order alone would count as a difference
+            if i % 2 == 0:
+                before = run_child(args, args.compare)
+                after = run_child(args, None)
+            else:
+                after = run_child(args, None)
+                before = run_child(args, args.compare)
+            pairs.append((before, after))
+        before, after = pairs[0]
         results = dict(before=before, after=after)
-        text = "\n\n".join([table(before, "before"), table(after, "after"), compare_table(before, after)])
+        text = "\n\n".join([table(before, "before"), table(after, "after"), compare_table(before, after)]
+                            + ([repeat_table(pairs)] if len(pairs) > 1 else []))
     elif len(args.submission) * len(args.lookahead) > 1:
         by_mode = {f"step_submission={m}, step_lookahead={d}": run_child(args, None, m, d)
                    for m in args.submission for d in args.lookahead}
@@ -480,6 +511,8 @@ def main(argv=None) -> None:
             if prof:
                 print(f"---- cProfile ({key}, batch {r['batch']}, {r['steps']} steps) ----\n{prof}")
     print(text)
+    if args.compare and args.repeat > 1:
+        results["pairs"] = [dict(before=b, after=a) for b, a in pairs]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:

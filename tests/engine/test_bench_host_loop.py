@@ -1,0 +1,33 @@
+"""bench/host_loop.py's before/after mode on CPU: --churn steps (prefill chunks admitted every
+step, through the no-math mixed program) and --repeat pairs with their medians."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_compare_with_churn_and_repeat(tmp_path):
+    before = tmp_path / "before"
+    before.mkdir()
+    # "before" is this checkout's backend_lib too: the mode, not a difference, is under test
+    subprocess.run(f"git -C {ROOT} archive HEAD backend_lib | tar -x -C {before}", shell=True, check=True)
+    out = tmp_path / "host_loop.json"
+    r = subprocess.run([sys.executable, "-m", "bench.host_loop", "--batches", "4,8", "--churn", "2", "--steps", "8",
+                        "--warmup", "2", "--max-model-len", "128", "--compare", str(before), "--repeat", "2",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["pairs"]) == 2
+    for pair in res["pairs"]:
+        assert str(before) in pair["before"]["backend"] and str(ROOT) in pair["after"]["backend"]
+        for side in ("before", "after"):
+            rows = pair[side]["rows"]
+            assert [row["batch"] for row in rows] == [4, 8]
+            # two requests retired and two admitted before each timed step: the batch stays full
+            # and every step carries their prefill chunks
+            assert all(row["tokens_per_step"] >= row["batch"] - 2 and row["host_us"] > 0 for row in rows)
+    table = r.stdout[r.stdout.index("2 pairs, alternating order"):].splitlines()
+    assert [line.split(" | ")[0] for line in table[3:5]] == ["| 4", "| 8"]
+    assert all(len(line.split(" | ")[1].split()) == 2 for line in table[3:5])  # a ratio per pair
