@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable, Collection
 
 # Admitting steps whose latencies the delay follows (their median).
 LATENCY_WINDOW = 5
@@ -34,17 +34,18 @@ class AdmissionDelay:
         """The median latency of the last admitting steps (0 before the first)."""
         return statistics.median(self._latencies) if self._latencies else 0.0
 
-    def may_admit(self, oldest_arrival: Optional[float], anything_running: bool) -> bool:
-        """Called at every schedule, before admitting: whether prompts may join now.
-        oldest_arrival: the oldest waiting request's arrival (this clock's), None when none waits."""
+    def may_admit(self, waiting: Collection, anything_running: bool) -> bool:
+        """Called at every schedule, before admitting: whether the prompts `waiting` (requests
+        with an `arrival_time` of this clock) may join now."""
         if self.factor <= 0.0:
             return True
         now = self.clock()
         if self._prev_admitted:
             self._latencies.append(now - self._prev_time)
         self._prev_time, self._prev_admitted = now, False
-        return oldest_arrival is None or not anything_running \
-            or now - oldest_arrival > self.factor * self.prompt_latency
+        if not waiting or not anything_running:
+            return True
+        return now - min(r.arrival_time for r in waiting) > self.factor * self.prompt_latency
 
     def admitted(self) -> None:
         """This schedule admitted a prompt: its latency is measured at the next schedule."""

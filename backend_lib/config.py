@@ -26,8 +26,9 @@ _SUBMISSION = ("inline", "thread")
 MAX_DELAY_FACTOR = 100.0
 
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)  # NaN then fails the range check
+def is_number(v: object) -> bool:
+    """An int or float, not a bool. NaN passes here and fails every range comparison after."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class EngineConfig:
             fail("step_lookahead", "must be 1 or 2")
         if self.step_submission == "thread" and self.pipeline_parallel_size > 1:
             fail("step_submission", "'thread' is for the single-GPU engine (pipeline stages launch their own steps)")
-        if not _is_number(self.scheduler_delay_factor) or not 0.0 <= self.scheduler_delay_factor <= MAX_DELAY_FACTOR:
+        if not is_number(self.scheduler_delay_factor) or not 0.0 <= self.scheduler_delay_factor <= MAX_DELAY_FACTOR:
             fail("scheduler_delay_factor", f"must be a number in [0, {MAX_DELAY_FACTOR:g}]")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             fail("gpu_memory_utilization", "must be in (0, 1]")

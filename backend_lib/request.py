@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .config import is_number
 from .layers.logprobs import MAX_LOGPROBS
 
 MAX_N = 16  # SamplingParams.n
@@ -83,12 +84,12 @@ class SamplingParams:
             fail("top_k", "-1 (disabled), 0 (disabled) or a positive integer")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             fail("top_p", "in (0, 1]")
-        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+        if not is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             fail("min_p", "in [0, 1]")
-        if not _is_number(self.repetition_penalty) or not (0.0 < self.repetition_penalty < math.inf):
+        if not is_number(self.repetition_penalty) or not (0.0 < self.repetition_penalty < math.inf):
             fail("repetition_penalty", "a finite number > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not _is_number(getattr(self, name)) or not (-2.0 <= getattr(self, name) <= 2.0):
+            if not is_number(getattr(self, name)) or not (-2.0 <= getattr(self, name) <= 2.0):
                 fail(name, "in [-2, 2] (0 = off)")
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not (0 <= self.logprobs <= MAX_LOGPROBS)):
@@ -117,11 +118,6 @@ class SamplingParams:
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: object) -> bool:
-    # NaN fails every range comparison, so range checks reject it.
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 _request_counter = itertools.count()

@@ -211,8 +211,7 @@ class Scheduler:
             i += 1
 
         out.num_tokens += num_fast
-        oldest = min(r.arrival_time for r in self.waiting) if self.waiting and self.delay.factor else None
-        if self.delay.may_admit(oldest, bool(self.running)) and out.num_preempted == 0:
+        if self.delay.may_admit(self.waiting, bool(self.running)) and out.num_preempted == 0:
             if self.waiting:  # only an admission can use what is committed now
                 for req in self.running:
                     # inline: only rows that completed a block since their last commit

@@ -72,16 +72,17 @@ def test_one_slow_admitting_step_does_not_hold_prompts_back():
     clock = Clock()
     d = AdmissionDelay(4.0, clock)
     for took in (0.010, 0.010, 0.010, 2.0):   # four admitting steps, the last one slow
-        d.may_admit(None, True)
+        d.may_admit([], True)
         d.admitted()
         clock.t += took
-    arrival = clock.t
-    assert not d.may_admit(arrival, True)      # measures the slow one; the prompt just came
+    waiting = [_req("p")]
+    waiting[0].arrival_time = clock.t
+    assert not d.may_admit(waiting, True)      # measures the slow one; the prompt just came
     assert d.prompt_latency == pytest.approx(0.010)
     clock.t += 0.030
-    assert not d.may_admit(arrival, True)      # 30 ms < 4 x 10 ms
+    assert not d.may_admit(waiting, True)      # 30 ms < 4 x 10 ms
     clock.t += 0.015
-    assert d.may_admit(arrival, True)          # 45 ms
+    assert d.may_admit(waiting, True)          # 45 ms
 
 
 def test_factor_zero_admits_every_step_and_an_idle_engine_admits_at_once():
