@@ -226,7 +226,8 @@ class EngineProcessClient(OutputSinks):
             with self._lock:
                 sink = self._sinks.pop(request_id, None)
             if sink is not None:
-                raise RuntimeError(f"engine is not healthy: {self.error!r}")
+                raise RuntimeError("engine is shutting down" if self._stopped_by_us()
+                                   else f"engine is not healthy: {self.error!r}")
         return stream
 
     @contextlib.contextmanager
@@ -261,9 +262,16 @@ class EngineProcessClient(OutputSinks):
         except Exception as e:  # noqa: BLE001 - not sent at all: its requests must still end
             logger.exception("sending %d commands to the engine process failed", len(cmds))
             why = f"engine process send failed: {e!r}"
+        # Behind this client's own STOP (the core may have closed the socket already) the
+        # requests end aborted, as the core ends an ADD behind the STOP and _core_gone the rest.
+        reason, error = (FinishReason.ABORT, None) if self._stopped_by_us() else (FinishReason.ERROR, why)
         for cmd in cmds:  # the fail-all may have ended some already: _deliver ends each once
             if cmd[0] == wire.ADD:
-                self._deliver(RequestOutput(cmd[1], [], True, FinishReason.ERROR, error=why))
+                self._deliver(RequestOutput(cmd[1], [], True, reason, error=error))
+
+    def _stopped_by_us(self) -> bool:
+        with self._lock:
+            return self._stopping and self.error is None
 
     def abort(self, request_id: str) -> None:
         batch = getattr(self._batch, "cmds", None)

@@ -345,10 +345,11 @@ def test_an_add_behind_a_clients_stop_is_refused(path, request):
             b._stopping = True
         t0 = time.monotonic()
         b._send([(wire.STOP,)])
-        b._send([(wire.ADD, "late", [1, 2, 3, 4], greedy(500, ignore_eos=True))])
+        # execute()'s batched send: the core refuses it, or has closed b's socket already
+        b._send_batch([(wire.ADD, "late", [1, 2, 3, 4], greedy(500, ignore_eos=True))])
         b._reader.join(20)
         assert not b._reader.is_alive() and time.monotonic() - t0 < 5
-        # Whether the core's refusal or its STOPPED reaches b first, both end the same way.
+        # Whether the core's refusal, its STOPPED or the closed socket comes first, all end alike.
         for outs in (late, unsent):
             assert [(o.finished, str(o.finish_reason), o.new_token_ids, o.error) for o in outs] == \
                 [(True, "abort", [], None)]
