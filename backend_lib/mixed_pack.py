@@ -8,13 +8,9 @@ appends).
 """
 from __future__ import annotations
 
-from operator import itemgetter
 from typing import NamedTuple, Sequence
 
 import numpy as np
-
-_FIRST = itemgetter(0)
-
 
 class MixedRows(NamedTuple):
     """One mixed step, packed (int64 numpy arrays; T tokens in S rows)."""
@@ -61,8 +57,12 @@ def pack_rows(rows: Sequence, slots: Sequence[int]) -> MixedRows:
         tok[3] = slot[row_of]
     tok[1] = -1
     tok[1, first[from_relay]] = slot[from_relay]   # only a row's first token comes from the relay
-    # Input ids: every row's first host id (a relay row's is a dummy), then the chunks whole.
-    tok[0, first] = list(map(_FIRST, host_ids))
+    # Input ids: the host's, where it has them (a relay row's first id is a dummy 0). A step
+    # mixes many one-token relay rows (decodes) with a few chunks, so only those rows are read.
+    tok[0] = 0
+    singles = np.flatnonzero(~from_relay & (n == 1))
+    if len(singles):
+        tok[0, first[singles]] = [host_ids[i][0] for i in singles.tolist()]
     for i in np.flatnonzero(n > 1).tolist():
         tok[0, first[i]:cu[i + 1]] = host_ids[i]
 

@@ -326,11 +326,13 @@ class Scheduler:
         hs = req.block_hashes
         if len(hs) < n:
             bs = self.blocks.block_size
-            p = req.num_prompt_tokens
-            tokens = req.prompt_token_ids if n * bs <= p else req.prompt_token_ids + req.output_token_ids
+            prompt, outputs, p = req.prompt_token_ids, req.output_token_ids, req.num_prompt_tokens
             parent = hs[-1] if hs else ROOT_HASH
             for i in range(len(hs), n):
-                parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+                a, b = i * bs, (i + 1) * bs
+                # slices of the prompt and the outputs, never a copy of all the tokens
+                ids = prompt[a:b] if b <= p else outputs[a - p:b - p] if a >= p else prompt[a:] + outputs[:b - p]
+                parent = block_hash(parent, ids)
                 hs.append(parent)
         return hs
 

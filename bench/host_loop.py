@@ -179,7 +179,8 @@ class _PhaseTimer:
             self.totals[k] = 0.0
 
 
-def build_engine(args, submission: str = "inline", lookahead: int = 1):
+def build_engine(args, submission: str = "inline", lookahead: int = 1, extra: dict | None = None):
+    """extra: more EngineConfig fields."""
     import torch
     from backend_lib import EngineConfig, LLMEngine
     if args.device == "cpu":
@@ -196,6 +197,7 @@ def build_engine(args, submission: str = "inline", lookahead: int = 1):
         kw["step_lookahead"] = lookahead
     from bench.decode import model_kwargs
     kw.update(model_kwargs(args.preset, args.model))
+    kw.update(extra or {})
     if args.device == "cpu":
         per_seq = (args.prompt_len + 16 + args.warmup + args.steps + 8) // 16 + 2
         # at least one sequence of max_model_len (the engine refuses fewer)

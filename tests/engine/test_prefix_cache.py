@@ -286,3 +286,28 @@ def test_n4_request_shares_the_prompt_blocks(path, caching):
             checked = True
     assert checked
     _all_free_or_cached(eng)
+
+
+@pytest.mark.parametrize("prompt_len", [5, 8, 13, 16, 21])
+def test_block_hashes_chain_over_prompt_and_outputs(prompt_len):
+    """A request's block hashes are the chain over its known tokens, prompt then outputs,
+    whatever block straddles the two: a later prompt that repeats them (the next turn of a
+    chat) must find the same hashes."""
+    from backend_lib.kv_cache import ROOT_HASH, BlockPool, block_hash
+    from backend_lib.request import SamplingParams
+    from backend_lib.scheduler import Scheduler
+    sched = Scheduler(4, 64, 256, True, BlockPool(64, BS, enable_caching=True))
+    rng = random.Random(prompt_len)
+    tokens = [rng.randint(1, 500) for _ in range(prompt_len + 30)]
+    req = Request("r", tokens[:prompt_len], SamplingParams(max_tokens=40))
+    expected, parent = [], ROOT_HASH
+    for i in range(len(tokens) // BS):
+        parent = block_hash(parent, tokens[i * BS:(i + 1) * BS])
+        expected.append(parent)
+    req.output_token_ids.extend(tokens[prompt_len:prompt_len + 7])  # outputs arrive in steps
+    n = (prompt_len + 7) // BS
+    assert sched._hashes(req, n) == expected[:n]
+    req.output_token_ids.extend(tokens[prompt_len + 7:])
+    assert sched._hashes(req, len(expected)) == expected
+    turn = Request("t", tokens + [1, 2], SamplingParams(max_tokens=4))
+    assert sched._hashes(turn, len(expected)) == expected
