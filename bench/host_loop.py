@@ -204,12 +204,8 @@ def build_engine(args, submission: str = "inline", lookahead: int = 1, extra: di
         kw["num_kv_blocks"] = max(max(args.batches) * per_seq, -(-args.max_model_len // 16) + 1) + 8
     eng = LLMEngine(EngineConfig(**kw))
     if args.device == "cpu":
-        eng.runner._decode_program = _null_decode_program(eng.runner)
-        eng.runner._mixed_program = _null_mixed_program(eng.runner)
-        eng.runner.use_stand_in_graphs()
-        if args.device_us:
-            eng._emulated_device = _EmulatedDevice(args.device_us)
-            eng.runner.handoff._event = eng._emulated_device.event
+        from bench.null_math_engine import strip_math
+        strip_math(eng, args.device_us)
     return eng
 
 
