@@ -264,14 +264,7 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     wall = time.perf_counter() - t0
     sub_cpu = time.clock_gettime(sub_clock) - sub0 if sub_clock is not None else 0.0
     s1 = eng.stats()
-    # Device idle share: the emulated device's (CPU), or the GPU's idle gaps between the
-    # timed steps from CUDA events (EngineStats.gpu_idle_gap_us, drained by s0 above).
-    if device is not None:
-        device_idle = device.idle_s / wall
-    elif s1.gpu_idle_gap_us:
-        device_idle = sum(s1.gpu_idle_gap_us) / 1e6 / wall
-    else:
-        device_idle = float("nan")
+    device_idle = device_idle_share(device, s1, wall)
     gen = s1.generation_tokens_total - s0.generation_tokens_total
     wait = s1.wait_time_s - s0.wait_time_s
     n = args.steps
@@ -292,6 +285,16 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
         pstats.Stats(prof, stream=s).sort_stats(args.profile_sort).print_stats(args.profile_top)
         row["profile"] = s.getvalue()
     return row
+
+
+def device_idle_share(device, stats, wall: float) -> float:
+    """The emulated device's idle share (CPU), or the GPU's idle gaps over `wall` from CUDA
+    events (EngineStats.gpu_idle_gap_us since the stats taken when the window opened)."""
+    if device is not None:
+        return device.idle_s / wall
+    if stats.gpu_idle_gap_us:
+        return sum(stats.gpu_idle_gap_us) / 1e6 / wall
+    return float("nan")
 
 
 def _submission_thread_clock(eng):
@@ -393,23 +396,15 @@ def repeat_table(pairs: list[tuple[dict, dict]]) -> str:
 
 
 def run_child(args, backend_dir: str | None, submission: str | None = None, lookahead: int | None = None) -> dict:
-    """This benchmark in a fresh process (each engine sizes its KV cache from the device memory
-    it finds free: a second engine in one process would find the first one's); backend_dir:
-    import backend_lib from there."""
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
+    """This benchmark in a fresh process; backend_dir: import backend_lib from there."""
     env = dict(os.environ)
     env.pop(_BACKEND_ENV, None)
     if backend_dir:
         env[_BACKEND_ENV] = str(Path(backend_dir).resolve())
-    cmd = [sys.executable, "-m", "bench.host_loop", "--child-out", out] + _forward_args(args)
+    argv = _forward_args(args)
     if submission is not None:
-        cmd += ["--submission", submission, "--lookahead", str(lookahead)]
-    subprocess.run(cmd, check=True, cwd=str(REPO_ROOT), env=env)
-    with open(out) as f:
-        res = json.load(f)
-    os.unlink(out)
-    return res
+        argv += ["--submission", submission, "--lookahead", str(lookahead)]
+    return run_json_child("bench.host_loop", argv, env)
 
 
 def _forward_args(args) -> list[str]:
@@ -431,12 +426,32 @@ def _forward_args(args) -> list[str]:
     return a
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Which engine build_engine makes: the device and the model."""
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--preset", default=None, help="random weights of this shape (bench/decode.py presets)")
     p.add_argument("--model", default=None, help="a local HF checkpoint (default: models/tiny-llama)")
     p.add_argument("--dtype", default=None)
+
+
+def run_json_child(module: str, argv: list[str], env: dict | None = None) -> dict:
+    """`python -m module --child-out FILE argv...` in a fresh process (a CUDA engine sizes its KV
+    cache from the memory it finds free: a second engine in one process would find the first
+    one's); what it wrote to FILE as JSON."""
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        subprocess.run([sys.executable, "-m", module, "--child-out", out] + argv, check=True, cwd=str(REPO_ROOT),
+                       env=env)
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(p)
     p.add_argument("--batches", default="1,64,256", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)

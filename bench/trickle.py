@@ -8,8 +8,7 @@ what `scheduler_delay_factor` buys back; one table, a fresh engine per factor.
 
 What is measured: --concurrency streams, each sending a request (distinct prompt of
 --prompt-len + 0..15 tokens, greedy, ignore_eos, --output-len tokens) and, when its final
-output arrives, the next one after a random pause of 0..--think-us (uniform; spreads the
-arrivals over steps as Triton's per-request execute() calls do). The engine runs
+output arrives, the next one (after a random pause of 0..--think-us, default none). The engine runs
 `LLMEngine.step()` in a loop on this thread. After the first --warmup-rounds requests per
 stream, the window closes once each stream has finished --rounds more. Streams start spread
 over --stagger-ms (about one request's lifetime), so that arrivals stay out of step.
@@ -29,18 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench import host_loop
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _engine_args(a) -> argparse.Namespace:
@@ -130,12 +123,7 @@ def run_here(a, factor: float) -> dict:
     prompts = s1.prompt_tokens_total - s0.prompt_tokens_total
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in finished if len(r["times"]) > 1]
     ttft = [r["times"][0] - r["arrival"] for r in finished if r["times"]]
-    if device is not None:
-        idle = device.idle_s / wall
-    elif s1.gpu_idle_gap_us:
-        idle = sum(s1.gpu_idle_gap_us) / 1e6 / wall
-    else:
-        idle = float("nan")
+    idle = host_loop.device_idle_share(device, s1, wall)
     mean_prompt = a.prompt_len + 7.5
     return dict(factor=factor, requests=len(finished), steps=steps, output_tok_s=tokens / wall,
                 tpot_p50_ms=_percentile(tpot, 0.5) * 1e3, tpot_p99_ms=_percentile(tpot, 0.99) * 1e3,
@@ -160,34 +148,26 @@ def table(rows: list[dict], a) -> str:
 
 
 def _child(a, factor: float) -> dict:
-    """One factor in a fresh process (a CUDA engine sizes its KV cache from the free memory)."""
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    argv = [sys.executable, "-m", "bench.trickle", "--child-out", out, "--delay-factors", f"{factor:g}"]
+    """One factor in a fresh process."""
+    argv = ["--delay-factors", f"{factor:g}"]
     for k in ("device", "preset", "model", "dtype", "concurrency", "prompt_len", "output_len", "max_model_len",
               "think_us", "stagger_ms", "device_us", "rounds", "warmup_rounds", "seed"):
         v = getattr(a, k)
         if v is not None:
             argv += [f"--{k.replace('_', '-')}", str(v)]
-    subprocess.run(argv, check=True, cwd=str(REPO_ROOT))
-    with open(out) as f:
-        res = json.load(f)
-    os.unlink(out)
-    return res
+    return host_loop.run_json_child("bench.trickle", argv)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--preset", default=None, help="random weights of this shape (bench/decode.py presets)")
-    p.add_argument("--model", default=None, help="a local HF checkpoint (default: models/tiny-llama)")
-    p.add_argument("--dtype", default=None)
+    host_loop.add_model_args(p)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--think-us", type=float, default=4000.0,
-                   help="a stream's pause before its next request: uniform in 0..this")
+    p.add_argument("--think-us", type=float, default=0.0,
+                   help="a stream's pause before its next request: uniform in 0..this (0: at once, as "
+                        "perf_analyzer's closed loop)")
     p.add_argument("--device-us", type=float, default=1800.0, help="CPU: the emulated device's µs per step")
     p.add_argument("--stagger-ms", type=float, default=None,
                    help="streams start uniformly within this many ms (default: output-len x 1.8 ms, "
