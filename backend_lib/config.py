@@ -52,6 +52,7 @@ class EngineConfig:
     cuda_graph_mixed: bool = True           # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py; with enable_cuda_graph)
     cuda_graph_mixed_tokens: str = ""       # their token buckets, e.g. "64,256,1024"; "": mixed_graphs.default_token_buckets
     scheduler_delay_factor: float = 0.0     # vLLM's: new prompts wait until the oldest has waited this x an admitting step's latency (admission_delay.py; 0: at once)
+    stream_interval: int = 1                # SGLang's: a request's tokens go out with its first token, then every this many, and at its end (1: each token)
     pipeline_parallel_size: int = 1
     max_stop_token_ids: int = 16            # per-request device-side stop-id table width
     seed: int = 0                           # engine seed for requests that give none
@@ -78,7 +79,7 @@ class EngineConfig:
             fail("step_submission", f"must be one of {_SUBMISSION}")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("block_size", 1),
                          ("pipeline_parallel_size", 1), ("max_model_len", 0), ("num_kv_blocks", 0),
-                         ("cuda_graph_max_batch", 1), ("max_stop_token_ids", 1)):
+                         ("cuda_graph_max_batch", 1), ("max_stop_token_ids", 1), ("stream_interval", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 fail(name, f"must be an integer >= {lo}")

@@ -91,7 +91,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    cfg.enable_chunked_prefill,
                                    BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching),
-                                   AdmissionDelay(cfg.scheduler_delay_factor))
+                                   AdmissionDelay(cfg.scheduler_delay_factor), cfg.stream_interval)
         self.async_enabled = self.decision.enabled
         self.submission = make_submission(cfg.step_submission, self.runner, self.eos_token_ids)
         # Stops a submission thread also when the engine is dropped without close().

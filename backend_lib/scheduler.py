@@ -97,8 +97,13 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool, blocks: BlockPool, delay: Optional[AdmissionDelay] = None):
+                 enable_chunked_prefill: bool, blocks: BlockPool, delay: Optional[AdmissionDelay] = None,
+                 stream_interval: int = 1):
+        """stream_interval: a running request's tokens are output with its first token, then
+        once it has `stream_interval` more, and at its end (SGLang's; fewer outputs to build,
+        encode and send when the host is the bottleneck)."""
         self.max_num_seqs = max_num_seqs
+        self.stream_interval = stream_interval
         self.token_budget = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
@@ -380,6 +385,7 @@ class Scheduler:
         finished = RequestStatus.FINISHED
         emit = outputs.append
         num_new = 0
+        interval = self.stream_interval
         for i, (row, token) in enumerate(zip(sched.rows, sampled)):
             if not row.samples:
                 continue  # a non-final prefill chunk: its sample is meaningless
@@ -403,6 +409,8 @@ class Scheduler:
                 self._finish(req, FinishReason.STOP, emit=False)
             elif n_out >= req.max_output_tokens:
                 self._finish(req, FinishReason.LENGTH, emit=False)
+            if interval > 1 and (n_out - 1) % interval and req.status is not finished:
+                continue  # held: it goes out with the interval's last token (or the request's end)
             if n_lp is None and req.num_streamed == n_out - 1:
                 # The common case of _output: exactly this token is new.
                 req.num_streamed = n_out

@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the step's token budget")
     ap.add_argument("--delivery-threads", default="1", help="comma list: threads running the callbacks")
     ap.add_argument("--engines", default="inproc,process", help="comma list of inproc, process")
+    ap.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval")
     ap.add_argument("--stagger-ms", type=float, default=0.0,
                     help="the streams start spread over this many ms (0: all at once)")
     ap.add_argument("--null-math-us", type=float, default=0.0,
@@ -164,10 +165,11 @@ def main(argv=None) -> int:
     extra = dict(async_token_handoff="on") if a.null_math_us else {}
     cfg = EngineConfig(model_path=model, device=a.device, dtype=dtype, load_format=load_format,
                        max_num_seqs=max(concs), max_model_len=max_len, max_num_batched_tokens=a.max_num_batched_tokens,
-                       num_kv_blocks=max(concs) * (max_len // 16) + 16, **extra)
+                       num_kv_blocks=max(concs) * (max_len // 16) + 16, stream_interval=a.stream_interval, **extra)
     emulated = f" without its math, emulated device {a.null_math_us:g} µs/step" if a.null_math_us else ""
     print(f"model {model}{emulated} on {a.device}; sender holds the GIL {a.sender_us:g} us per callback; "
-          f"prompt {a.prompt_len}, output {a.output_len}, {a.requests_per_stream} requests per stream")
+          f"prompt {a.prompt_len}, output {a.output_len}, {a.requests_per_stream} requests per stream, "
+          f"stream_interval {a.stream_interval}")
     print("| engine | C | delivery threads | output tok/s | TTFT p50 ms | TPOT p50 ms | steps/s | "
           "engine thread in step() ms/step | of which waiting on the GPU | this process CPU ms/step | "
           "core CPU ms/step |")
