@@ -466,3 +466,22 @@ def test_bls_upstream_rejections_release_workers(server):
         assert needle in c.errors[0], (route, c.errors[0])
     _assert_alive(server, "the rejected requests", [])
     _assert_drained(server)
+
+
+@pytest.fixture(scope="module")
+def server_with_stream_interval(tmp_path_factory):
+    from .conftest import SharedServer, _checked
+    shared = SharedServer(tmp_path_factory.mktemp("triton-interval"), extra_env={"LLM_PARAM_stream_interval": "3"})
+    try:
+        yield from _checked(shared)
+    finally:
+        shared.srv.stop()
+    bad = [l for l in shared.srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
+    assert not bad, shared.srv.log_tail(120)
+    assert "'stream_interval': '3'" in shared.srv.log_path.read_text(errors="replace")
+
+
+def test_soak_with_a_stream_interval(server_with_stream_interval, refs):
+    """llm's engine outputs a request's tokens in chunks of three (stream_interval=3): the same
+    soak, a third of its size (stop strings inside a chunk, cancels while tokens are held)."""
+    _soak(server_with_stream_interval, refs, N_REQUESTS // 3)
