@@ -12,6 +12,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+
 class MixedRows(NamedTuple):
     """One mixed step, packed (int64 numpy arrays; T tokens in S rows)."""
     tok: np.ndarray   # [4, T]: input id (host-known), relay_src (slot, or -1: use the id), position, KV slot
