@@ -344,17 +344,23 @@ def test_soak_streams_cancels_stops(server, refs):
     _soak(server, refs, N_REQUESTS)
 
 
-@pytest.fixture(scope="module")
-def server_with_delivery_threads(tmp_path_factory):
+def _server_with(tmp_path_factory, name: str, param: str, value: str, logged: str):
+    """A server of its own with one llm parameter set (LLM_PARAM_<param>); after its tests, no
+    traceback in its log, and `logged` there (the setting took effect)."""
     from .conftest import SharedServer, _checked
-    shared = SharedServer(tmp_path_factory.mktemp("triton-delivery"), extra_env={"LLM_PARAM_delivery_threads": "3"})
+    shared = SharedServer(tmp_path_factory.mktemp(name), extra_env={f"LLM_PARAM_{param}": value})
     try:
         yield from _checked(shared)
     finally:
         shared.srv.stop()
-    bad = [l for l in shared.srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
-    assert not bad, shared.srv.log_tail(120)
-    assert "3 delivery thread(s)" in shared.srv.log_path.read_text(errors="replace")
+    log = shared.srv.log_path.read_text(errors="replace")
+    assert not [l for l in log.splitlines() if "Traceback" in l], shared.srv.log_tail(120)
+    assert logged in log
+
+
+@pytest.fixture(scope="module")
+def server_with_delivery_threads(tmp_path_factory):
+    yield from _server_with(tmp_path_factory, "triton-delivery", "delivery_threads", "3", "3 delivery thread(s)")
 
 
 def test_soak_with_three_delivery_threads(server_with_delivery_threads, refs):
@@ -470,15 +476,7 @@ def test_bls_upstream_rejections_release_workers(server):
 
 @pytest.fixture(scope="module")
 def server_with_stream_interval(tmp_path_factory):
-    from .conftest import SharedServer, _checked
-    shared = SharedServer(tmp_path_factory.mktemp("triton-interval"), extra_env={"LLM_PARAM_stream_interval": "3"})
-    try:
-        yield from _checked(shared)
-    finally:
-        shared.srv.stop()
-    bad = [l for l in shared.srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
-    assert not bad, shared.srv.log_tail(120)
-    assert "'stream_interval': '3'" in shared.srv.log_path.read_text(errors="replace")
+    yield from _server_with(tmp_path_factory, "triton-interval", "stream_interval", "3", "'stream_interval': '3'")
 
 
 def test_soak_with_a_stream_interval(server_with_stream_interval, refs):
