@@ -27,6 +27,7 @@ chunks, EngineStats.prefill_steps_total, over all steps); prompts per admitting 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import random
 import statistics
@@ -56,7 +57,7 @@ def run_here(a, factor: float) -> dict:
     sp = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
     clock = time.perf_counter
     serial = 0
-    arrivals: list[tuple[float, int]] = []   # (when, stream), kept sorted by `when`
+    arrivals: list[tuple[float, int]] = []   # (when, stream): a heap
     live: dict[str, dict] = {}                # request id -> its stream, arrival, token times
     done_per_stream = [0] * a.concurrency
     finished: list[dict] = []
@@ -74,7 +75,8 @@ def run_here(a, factor: float) -> dict:
     now = clock()
     # Streams start spread over one request's lifetime: a closed loop whose arrivals are not
     # in step (Triton's), not one that starts and ends all its requests together.
-    arrivals = sorted((now + rng.uniform(0, a.stagger_ms / 1e3), s) for s in range(a.concurrency))
+    arrivals = [(now + rng.uniform(0, a.stagger_ms / 1e3), s) for s in range(a.concurrency)]
+    heapq.heapify(arrivals)
     window_open = None
     target = a.warmup_rounds + a.rounds
     host: list[float] = []
@@ -83,7 +85,7 @@ def run_here(a, factor: float) -> dict:
     while min(done_per_stream) < target:
         now = clock()
         while arrivals and arrivals[0][0] <= now:
-            send(arrivals.pop(0)[1], now)
+            send(heapq.heappop(arrivals)[1], now)
         if window_open is None and min(done_per_stream) >= a.warmup_rounds:
             window_open, s0 = now, eng.stats()
             steps0 = len(host)
@@ -104,8 +106,7 @@ def run_here(a, factor: float) -> dict:
                 if r["counted"]:  # even one that ends before the window opens
                     finished.append(r)
                 if done_per_stream[r["stream"]] < target:
-                    arrivals.append((t + rng.uniform(0, a.think_us) / 1e6, r["stream"]))
-                    arrivals.sort()
+                    heapq.heappush(arrivals, (t + rng.uniform(0, a.think_us) / 1e6, r["stream"]))
         if not outs and not eng.has_unfinished() and arrivals:
             time.sleep(max(0.0, arrivals[0][0] - clock()))
     wall = clock() - window_open
