@@ -35,7 +35,6 @@ import datetime
 import logging
 import multiprocessing.connection
 import os
-import socket
 import struct
 import sys
 import time
@@ -51,6 +50,7 @@ import torch.distributed as dist
 
 from . import envs
 from .config import AsyncDecision, EngineConfig
+from .free_port import free_port
 from .handoff import StepHandle, TokenHandoff, _DoneEvent
 from .interpreter import python_executable
 from .process_lifetime import die_with_process
@@ -220,12 +220,6 @@ class _Comm:
         return t.to(self.device, non_blocking=True) if self.staged else t
 
 
-def _pick_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stage_device(cfg: EngineConfig, rank: int) -> torch.device:
     if cfg.device != "cuda":
         return torch.device("cpu")
@@ -375,7 +369,7 @@ class PipelineExecutor:
         self.num_steps_without_samples = 0  # every row mid-prefill: no token message at all
         addr, port = envs.master_addr(), envs.master_port()
         if port is None:
-            port = _pick_port(addr)
+            port = free_port(addr)
         # The TCPStore server lives here (rank 0): bound before any worker starts.
         self._store = dist.TCPStore(addr, port, pp, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=120))

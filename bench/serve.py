@@ -67,6 +67,7 @@ from typing import Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+from backend_lib.free_port import free_ports  # noqa: E402
 from bench import proc_cpu  # noqa: E402
 
 SAMPLINGS = {"greedy": {"temperature": 0.0, "top_p": 1.0},
@@ -466,23 +467,12 @@ def make_repository(root: Path, params: dict[str, str], with_text_models: bool =
     return root
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 class TritonServer:
     def __init__(self, repo: Path, log_path: Path, start_timeout_s: float):
         from triton_glue import launch
         inst = launch.find_triton()
         backend_dir = launch.prepare_backend_dir(inst)
-        self.http, self.grpc, self.metrics = _free_ports(3)
+        self.http, self.grpc, self.metrics = free_ports(3)
         opts = launch.ServerOptions(model_repository=repo, http_port=self.http, grpc_port=self.grpc,
                                     metrics_port=self.metrics, address="127.0.0.1", access_key="",
                                     exit_timeout_s=30)

@@ -70,7 +70,8 @@ def too_large_message(size: Optional[int], limit: int) -> str:
 
 class BodyLimitProxy:
     """Listens on (host, port), forwards to 127.0.0.1:upstream_port. Runs its own event loop
-    on a daemon thread: start() returns once the port is bound (or raises OSError)."""
+    on a daemon thread: start() returns once the port is bound (or raises OSError); port 0
+    binds a free one, read back from .port."""
 
     def __init__(self, host: str, port: int, upstream_port: int, max_body_bytes: int):
         self.host, self.port, self.upstream_port = host, port, upstream_port
@@ -144,6 +145,7 @@ class BodyLimitProxy:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await site.start()
+        self.port = self._runner.addresses[0][1]   # the one the kernel chose when asked for port 0
 
     async def _stop(self) -> None:
         if self._runner is not None:

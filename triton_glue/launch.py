@@ -293,8 +293,10 @@ def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict
 
     front = None
     if max_body > 0:
+        from backend_lib.free_port import free_port
+
         from .http_front import BodyLimitProxy
-        private = _free_loopback_port()
+        private = free_port()
         front = BodyLimitProxy(opts.address, opts.http_port, private, max_body)
         try:
             front.start()
@@ -355,13 +357,6 @@ def _gauge_sum(host: str, port: int, name: str) -> Optional[float]:
             except ValueError:
                 return None
     return total
-
-
-def _free_loopback_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

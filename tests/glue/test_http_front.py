@@ -21,15 +21,13 @@ from triton_glue.http_front import BodyLimitProxy  # noqa: E402
 LIMIT = 1000
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def front():
-    up_port, front_port = _port(), _port()
+    # Both listeners bind port 0 and report what they got: a port picked free beforehand can
+    # be taken as some other test's ephemeral source port before we bind it.
+    upstream_sock = socket.socket()
+    upstream_sock.bind(("127.0.0.1", 0))
+    up_port = upstream_sock.getsockname()[1]
     release = threading.Event()
 
     async def echo(request):
@@ -67,16 +65,16 @@ def front():
         app.router.add_post("/v2/models/m/generate_stream", stream)
         runner = web.AppRunner(app)
         loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", up_port).start())
+        loop.run_until_complete(web.SockSite(runner, upstream_sock).start())
         started.set()
         loop.run_forever()
 
     started = threading.Event()
     threading.Thread(target=serve_upstream, args=(started,), daemon=True).start()
     assert started.wait(10)
-    proxy = BodyLimitProxy("127.0.0.1", front_port, up_port, LIMIT)
+    proxy = BodyLimitProxy("127.0.0.1", 0, up_port, LIMIT)
     proxy.start()
-    yield proxy, front_port, release
+    yield proxy, proxy.port, release
     release.set()
     proxy.stop()
 

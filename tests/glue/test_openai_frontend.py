@@ -5,7 +5,6 @@ route's errors as 400s naming the field)."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -14,6 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from backend_lib.free_port import free_port, free_ports  # noqa: E402
 from openai_frontend.app import create_app  # noqa: E402
 from openai_frontend.config import FrontendConfig  # noqa: E402
 from openai_frontend.errors import from_upstream  # noqa: E402
@@ -59,9 +59,7 @@ class TemplateTokenizer:
 @pytest.fixture(scope="module")
 def served():
     route = ScriptedRoute()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = FrontendConfig(host="127.0.0.1", port=port)
     server = uvicorn.Server(uvicorn.Config(create_app(cfg, TemplateTokenizer(), route), host="127.0.0.1",
                                            port=port, log_level="warning"))
@@ -150,12 +148,7 @@ def test_server_down_is_503(tmp_path):
     """A frontend whose tritonserver is not there answers 503 naming it (not an internal error)."""
     from openai_frontend.triton_stream import TritonRoute
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    dead, port = free_ports(2)
     cfg = FrontendConfig(host="127.0.0.1", port=port, grpc_url=f"127.0.0.1:{dead}")
     server = uvicorn.Server(uvicorn.Config(create_app(cfg, TemplateTokenizer(), TritonRoute(cfg.grpc_url)),
                                            host="127.0.0.1", port=port, log_level="warning"))
