@@ -21,7 +21,7 @@ from .delivery import Delivery
 from .engine import EngineStats, LLMEngine
 from .fault_hook import fail_after_steps
 from .os_threads import NamedThread
-from .request import FinishReason, RequestOutput, SamplingParams
+from .request import FinishReason, OutputRow, RequestOutput, SamplingParams, final_row, output_of_row
 
 logger = logging.getLogger("backend_lib")
 
@@ -122,13 +122,14 @@ class OutputSinks:
         return Delivery(self._deliver, self._delivery_threads if self._merge_queued else 1,
                         name=f"{threading.current_thread().name}-delivery")
 
-    def _accept(self, outs, waiting: Delivery) -> None:
-        """A step's outputs: into `waiting` with merge_queued_outputs, else delivered now."""
+    def _accept(self, rows: list[OutputRow], waiting: Delivery) -> None:
+        """A step's outputs (rows): into `waiting` with merge_queued_outputs (decoded as handed
+        out: merged rows never are), else delivered now."""
         if self._merge_queued:
-            waiting.add(outs)
+            waiting.add_rows(rows)
             return
-        for out in outs:
-            self._deliver(out)
+        for row in rows:
+            self._deliver(output_of_row(row))
 
     def _fail_all(self, reason: FinishReason, error: Optional[str]) -> None:
         with self._lock:
@@ -292,10 +293,10 @@ class AsyncEngine(OutputSinks):
             except Exception:  # noqa: BLE001
                 logger.exception("engine close failed")
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[OutputRow]:
         self._step_began = time.monotonic()
         try:
-            return self.engine.step()
+            return self.engine.step_rows()
         finally:
             self._step_began = None
 
@@ -309,7 +310,7 @@ class AsyncEngine(OutputSinks):
                 try:
                     eng.add_request(cmd.request_id, cmd.prompt, cmd.params)
                 except ValueError as e:
-                    self._emit([RequestOutput(cmd.request_id, [], True, FinishReason.ERROR, error=str(e))])
+                    self._emit([final_row(cmd.request_id, FinishReason.ERROR, str(e))])
             elif isinstance(cmd, _Abort):
                 eng.abort(cmd.request_id)
             cmd = self._next_cmd()
@@ -321,7 +322,7 @@ class AsyncEngine(OutputSinks):
         except queue.Empty:
             return None
 
-    def _emit(self, outs: list[RequestOutput]) -> None:
+    def _emit(self, outs: list[OutputRow]) -> None:
         if outs:
             self._outs.put(outs)
 

@@ -24,6 +24,9 @@ from typing import Callable, Optional
 
 from . import engine_wire as wire
 from .os_threads import NamedThread
+from .request import OUTPUT_FIELDS
+
+_ROW_REQUEST_ID, _ROW_FINISHED = OUTPUT_FIELDS.index("request_id"), OUTPUT_FIELDS.index("finished")
 
 logger = logging.getLogger("backend_lib")
 
@@ -180,7 +183,7 @@ class Writer:
 
     def steps(self, outs) -> None:
         if outs:
-            self.q.put(outs)  # encoded on the writer thread, while the loop waits on the device
+            self.q.put(outs)  # routed and sent on the writer thread, while the loop waits on the device
 
     def control(self, msg: tuple, cid: Optional[int] = None) -> None:
         """msg to client cid; None: to every client."""
@@ -218,19 +221,21 @@ class Writer:
             if self.clients.detaching:
                 self._release_detached()
 
-    def _route(self, outs: list, pending: dict) -> None:
+    def _route(self, rows: list, pending: dict) -> None:
+        """A step's rows (request.OUTPUT_FIELDS), split by the client that added each request."""
         owner = self.clients.owner
         by_client: dict[int, list] = {}
-        for o in outs:
-            cid = owner.pop(o.request_id, None) if o.finished else owner.get(o.request_id)
+        for row in rows:
+            rid = row[_ROW_REQUEST_ID]
+            cid = owner.pop(rid, None) if row[_ROW_FINISHED] else owner.get(rid)
             if cid is None:  # its client is gone (a shared core keeps no output for nobody)
                 continue
-            rows = by_client.get(cid)
-            if rows is None:
-                rows = by_client[cid] = []
-            rows.append(wire.encode_output(o))
-        for cid, rows in by_client.items():
-            pending.setdefault(cid, []).append(rows)
+            mine = by_client.get(cid)
+            if mine is None:
+                mine = by_client[cid] = []
+            mine.append(row)
+        for cid, mine in by_client.items():
+            pending.setdefault(cid, []).append(mine)
 
     def _flush(self, pending: dict) -> None:
         for cid, steps in pending.items():

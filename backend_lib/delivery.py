@@ -24,26 +24,25 @@ import threading
 from collections import OrderedDict, deque
 from typing import Callable, Collection, Iterable, Optional, Union
 
-from . import engine_wire as wire
 from .os_threads import NamedThread
-from .request import RequestOutput
+from .request import OUTPUT_FIELDS, OutputRow, RequestOutput, output_of_row
 
-_WIRE_FINISHED = wire.OUTPUT_FIELDS.index("finished")
+_ROW_FINISHED = OUTPUT_FIELDS.index("finished")
 
 
 @dataclasses.dataclass
 class _Pending:
-    # the sequence's newest output (its state and flags): a RequestOutput, or the engine
-    # process's wire tuple of one, decoded only when the merged output is handed out
-    latest: Union[RequestOutput, tuple]
+    # the sequence's newest output (its state and flags): a RequestOutput, or the engine's
+    # row of one, decoded only when the merged output is handed out
+    latest: Union[RequestOutput, OutputRow]
     tokens: list[int]
     logprobs: Optional[list]
 
     def merged(self) -> RequestOutput:
-        latest = self.latest if isinstance(self.latest, RequestOutput) else wire.decode_output(self.latest)
+        latest = self.latest if isinstance(self.latest, RequestOutput) else output_of_row(self.latest)
         return dataclasses.replace(latest, new_token_ids=self.tokens, new_logprobs=self.logprobs)
 
-    def merge(self, latest: Union[RequestOutput, tuple], tokens: list[int], logprobs: Optional[list]) -> None:
+    def merge(self, latest: Union[RequestOutput, OutputRow], tokens: list[int], logprobs: Optional[list]) -> None:
         """A newer output of the sequence: its state, and its tokens after those waiting."""
         self.latest = latest
         self.tokens.extend(tokens)
@@ -53,7 +52,7 @@ class _Pending:
             self.logprobs.extend(logprobs)
 
     def finished(self) -> bool:
-        return self.latest.finished if isinstance(self.latest, RequestOutput) else self.latest[_WIRE_FINISHED]
+        return self.latest.finished if isinstance(self.latest, RequestOutput) else self.latest[_ROW_FINISHED]
 
 
 def _is_first(out: RequestOutput) -> bool:
@@ -89,17 +88,17 @@ class DeliveryQueue:
         if out.finished:
             self._ended[rid] = None
 
-    def add_wire(self, t: tuple) -> None:
-        """add() of an output as engine_wire encodes it. The common case behind a lagging
+    def add_row(self, t: OutputRow) -> None:
+        """add() of an output as a row (request.OUTPUT_FIELDS). The common case behind a lagging
         sender, a sequence's next tokens merged into what already waits, takes the tokens
         without decoding the tuple (a RequestOutput per row per step cost the Triton stub's
         reader ~0.7 µs a row, holding the GIL its sender and execute() wait for)."""
-        rid, toks, finished, reason, _, _, error, lps, _, index = t  # engine_wire.OUTPUT_FIELDS
+        rid, toks, finished, reason, _, _, error, lps, _, index = t
         if rid in self._ended:
             return  # nothing after a request's final output
         p = self._pending.get((rid, index))
         if p is None or finished or reason is not None or error is not None:
-            self.add(wire.decode_output(t))
+            self.add(output_of_row(t))
             return
         p.merge(t, toks, lps)
 
@@ -164,11 +163,11 @@ class Delivery:
                 self._queue.add(out)
             self._cond.notify(len(self._helpers))
 
-    def add_wire(self, outs: Iterable[tuple]) -> None:
-        """add() of outputs as engine_wire encodes them (DeliveryQueue.add_wire)."""
+    def add_rows(self, rows: Iterable[OutputRow]) -> None:
+        """add() of outputs as rows (DeliveryQueue.add_row)."""
         with self._cond:
-            for t in outs:
-                self._queue.add_wire(t)
+            for t in rows:
+                self._queue.add_row(t)
             self._cond.notify(len(self._helpers))
 
     def reader_has_work(self) -> bool:

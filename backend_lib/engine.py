@@ -29,7 +29,7 @@ from .config import EngineConfig, resolve_async_handoff
 from .kv_cache import BlockPool
 from .model_runner import ModelRunner
 from .models.loader import load_hf_config
-from .request import CompletionOutput, Request, RequestOutput, SamplingParams, validate_request
+from .request import CompletionOutput, OutputRow, Request, RequestOutput, SamplingParams, output_of_row, validate_request
 from .scheduler import Scheduler, SchedulerOutput
 from .submission import make_submission
 
@@ -170,25 +170,26 @@ class LLMEngine:
         aborted = [self.scheduler.abort(c) for c in parent.child_ids]
         return any(aborted)
 
-    def _to_parents(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _to_parents(self, rows: list[OutputRow]) -> list[OutputRow]:
         """n > 1: child outputs under the client's request id; `finished` only on the last."""
         if not self._parents:
-            return outputs
-        for out in outputs:
-            child = _parent_of(out.request_id)
+            return rows
+        for i, row in enumerate(rows):
+            child = _parent_of(row[0])
             if child is None:
                 continue
             parent_id, _ = child
             parent = self._parents.get(parent_id)
             if parent is None:
                 continue
-            out.request_id = parent_id
-            if out.finished:
+            _, toks, finished, *rest = row
+            if finished:
                 parent.remaining -= 1
-                out.finished = parent.remaining == 0
-                if out.finished:
+                finished = parent.remaining == 0
+                if finished:
                     del self._parents[parent_id]
-        return outputs
+            rows[i] = (parent_id, toks, finished, *rest)
+        return rows
 
     def has_unfinished(self) -> bool:
         # Pending finished outputs (e.g. the "abort" final of a request aborted between steps)
@@ -197,6 +198,11 @@ class LLMEngine:
 
     # ---- the step loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: what it produced, one RequestOutput per request."""
+        return [output_of_row(row) for row in self.step_rows()]
+
+    def step_rows(self) -> list[OutputRow]:
+        """step() with its outputs as rows (request.OUTPUT_FIELDS), as the engine loops use it."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.is_empty:

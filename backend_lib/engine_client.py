@@ -451,10 +451,7 @@ class EngineProcessClient(OutputSinks):
                 self._control(msg)
                 continue
             for step in msg[1]:
-                if self._merge_queued:
-                    waiting.add_wire(step)  # decoded as handed out (merged rows never are)
-                else:
-                    self._accept(list(map(wire.decode_output, step)), waiting)
+                self._accept(step, waiting)
 
     def _check_wedged(self, heard: float) -> float:
         """Nothing from the core: kill it once it has been silent for the stall timeout with

@@ -61,7 +61,7 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
     code. listener: a shared core's socket for more clients (core_clients)."""
     from .envs import engine_class
     from .fault_hook import fail_after_steps
-    from .request import FinishReason, RequestOutput
+    from .request import FinishReason, final_row
 
     kind, config, fault_after_steps = conn.recv()[0]  # a command list, as every message
     assert kind == wire.START, kind
@@ -97,7 +97,7 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
         return ending
 
     def refuse(cid: int, rid: str, reason: FinishReason, why: Optional[str]) -> None:
-        out.control((wire.STEPS, [[wire.encode_output(RequestOutput(rid, [], True, reason, error=why))]]), cid)
+        out.control((wire.STEPS, [[final_row(rid, reason, why)]]), cid)
 
     def apply(cid: int, batch) -> Optional[str]:
         """One client's command list, in order."""
@@ -118,7 +118,7 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
                 try:
                     eng.add_request(rid, prompt, params)
                 except ValueError as e:
-                    out.steps([RequestOutput(rid, [], True, FinishReason.ERROR, error=str(e))])
+                    out.steps([final_row(rid, FinishReason.ERROR, str(e))])
             elif kind == wire.ABORT:
                 if owner.get(cmd[1]) == cid:  # a client ends its own requests only
                     eng.abort(cmd[1])
@@ -152,11 +152,11 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
                 for rid in list(eng.scheduler.requests):
                     eng.abort(rid)
                 while eng.has_unfinished() or eng.scheduler.has_pending_outputs:
-                    out.steps(eng.step())
+                    out.steps(eng.step_rows())
                 out.control((wire.STOPPED,))  # to any client not released yet
                 out.close()
                 return 0
-            out.steps(eng.step())
+            out.steps(eng.step_rows())
     except BaseException as e:  # noqa: BLE001 - engine death: the clients fail every request
         logger.exception("engine core loop died")
         clients.close_listener()

@@ -8,14 +8,14 @@ Core -> parent: one message per write, holding every step finished since the las
     request). Control replies (stats, death, stop) ride the same ordered channel, so a reply
     never overtakes the outputs of the steps before it.
 
-Outputs cross as plain tuples (OUTPUT_FIELDS order): pickling a tuple of ints/lists costs a
-fraction of a dataclass instance, and the parent rebuilds RequestOutput only for callbacks.
+Outputs cross as the rows the engine makes them in (request.OUTPUT_FIELDS: plain tuples, whose
+pickle costs a fraction of a dataclass instance's); the parent rebuilds RequestOutput only for
+callbacks.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from .request import FinishReason, RequestOutput
 
 # ---- parent -> core commands (tuples, first item the kind) ----------------------------------
 START = "start"      # (START, EngineConfig, fault_after_steps): the first message, once
@@ -27,28 +27,9 @@ STOP = "stop"        # (STOP,): abort everything, deliver the finals, reply (STO
 # ---- core -> parent messages ------------------------------------------------------------------
 READY = "ready"            # (READY, {"vocab_size", "max_model_len", "eos_token_ids", "pid"})
 STARTUP_ERROR = "startup"  # (STARTUP_ERROR, exception type name, message, traceback text)
-STEPS = "steps"            # (STEPS, [step, ...]); step = [output tuple, ...]
+STEPS = "steps"            # (STEPS, [step, ...]); step = [output row, ...]
 DIED = "died"              # (DIED, repr(exception)): the engine loop raised; the core exits
 STOPPED = "stopped"        # (STOPPED,): every request got its final output; the core exits
-
-OUTPUT_FIELDS = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens",
-                 "num_output_tokens", "error", "new_logprobs", "cumulative_logprob", "index")
-
-
-def encode_output(o: RequestOutput) -> tuple:
-    reason = o.finish_reason.value if o.finish_reason is not None else None
-    return (o.request_id, o.new_token_ids, o.finished, reason, o.num_prompt_tokens, o.num_output_tokens,
-            o.error, o.new_logprobs, o.cumulative_logprob, o.index)
-
-
-_REASONS = {r.value: r for r in FinishReason}
-
-
-def decode_output(t: tuple) -> RequestOutput:
-    rid, toks, finished, reason, n_prompt, n_out, error, lps, cum, index = t
-    return RequestOutput(rid, toks, finished, _REASONS[reason] if reason is not None else None,
-                         n_prompt, n_out, error, lps, cum, index)
-
 
 # Exception types a start-up error is re-raised as in the parent (the model load reports the
 # same type and message as the in-process engine); any other type becomes RuntimeError naming it.

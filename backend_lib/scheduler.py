@@ -24,13 +24,14 @@ computes only the rest.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
 from .admission_delay import AdmissionDelay
 from .kv_cache import ROOT_HASH, BlockPool, SlotPool, block_hash
-from .request import FinishReason, Request, RequestOutput, RequestStatus
+from .request import FinishReason, OutputRow, Request, RequestStatus
 
 
 class ScheduledRow(NamedTuple):
@@ -115,7 +116,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._step = 0
-        self._pending_finished: list[RequestOutput] = []  # finished outside update (abort, length at admission)
+        self._pending_finished: list[OutputRow] = []  # finished outside update (abort, length at admission)
         self._fork_leader: dict[str, Request] = {}  # n > 1 fork not admitted yet -> the fork computing the prompt
 
     # ---- intake -------------------------------------------------------------------------
@@ -371,11 +372,12 @@ class Scheduler:
 
     # ---- results ------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, sampled: Optional[Sequence[int]],
-               logprobs: Optional[Sequence] = None) -> list[RequestOutput]:
+               logprobs: Optional[Sequence] = None) -> list[OutputRow]:
         """Apply one step's sampled tokens (one per row, in row order; None when the step
         produced none) and, when the step computed them, their logprobs (TokenLogprobs per
-        row). Tokens of rows whose request has finished meanwhile are discarded: the
-        overshoot of a stop found one step late is never streamed."""
+        row); the outputs as rows (request.OUTPUT_FIELDS). Tokens of rows whose request has
+        finished meanwhile are discarded: the overshoot of a stop found one step late is
+        never streamed."""
         outputs = self._pending_finished
         self._pending_finished = []
         if sampled is None:
@@ -386,7 +388,7 @@ class Scheduler:
         emit = outputs.append
         num_new = 0
         interval = self.stream_interval
-        for i, (row, token) in enumerate(zip(sched.rows, sampled)):
+        for row, token, lp in zip(sched.rows, sampled, logprobs if logprobs is not None else _NO_LOGPROBS):
             if not row.samples:
                 continue  # a non-final prefill chunk: its sample is meaningless
             req = row.request
@@ -401,7 +403,6 @@ class Scheduler:
             sp = req.sampling
             n_lp = sp.logprobs
             if n_lp is not None:
-                lp = logprobs[i]
                 req.output_logprobs.append(lp.as_dict(token, n_lp))
                 req.cumulative_logprob += lp.logprob
             if n_out >= sp.min_tokens and (token in req.stop_ids or (
@@ -409,28 +410,29 @@ class Scheduler:
                 self._finish(req, FinishReason.STOP, emit=False)
             elif n_out >= req.max_output_tokens:
                 self._finish(req, FinishReason.LENGTH, emit=False)
-            if interval > 1 and (n_out - 1) % interval and req.status is not finished:
+            elif interval > 1 and (n_out - 1) % interval:
                 continue  # held: it goes out with the interval's last token (or the request's end)
-            if n_lp is None and req.num_streamed == n_out - 1:
-                # The common case of _output: exactly this token is new.
-                req.num_streamed = n_out
-                emit(RequestOutput(req.request_id, [token], req.status is finished, req.finish_reason,
-                                   req.num_prompt_tokens, n_out, None, None, None, req.index))
             else:
-                emit(self._output(req))
+                if n_lp is None and req.num_streamed == n_out - 1:
+                    # The common case of _output: exactly this token is new, the request goes on.
+                    req.num_streamed = n_out
+                    emit((req.request_id, [token], False, None, req.num_prompt_tokens, n_out, None, None, None,
+                          req.index))
+                    continue
+            emit(self._output(req))
         self.stats.generation_tokens_total += num_new
         return outputs
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request) -> OutputRow:
         start = req.num_streamed
         new = req.output_token_ids[start:]
         req.num_streamed = len(req.output_token_ids)
-        out = RequestOutput(req.request_id, new, req.is_finished, req.finish_reason,
-                            req.num_prompt_tokens, len(req.output_token_ids), index=req.index)
+        reason = req.finish_reason.value if req.is_finished else None
+        logprobs, cumulative = None, None
         if req.sampling.logprobs is not None:
-            out.new_logprobs = req.output_logprobs[start:]
-            out.cumulative_logprob = req.cumulative_logprob
-        return out
+            logprobs, cumulative = req.output_logprobs[start:], req.cumulative_logprob
+        return (req.request_id, new, req.is_finished, reason, req.num_prompt_tokens, len(req.output_token_ids),
+                None, logprobs, cumulative, req.index)
 
     def _finish(self, req: Request, reason: FinishReason, emit: bool = True) -> None:
         if req.status == RequestStatus.RUNNING:
@@ -449,9 +451,12 @@ class Scheduler:
         if emit:
             self._pending_finished.append(self._output(req))
 
-    def take_finished(self) -> list[RequestOutput]:
+    def take_finished(self) -> list[OutputRow]:
         outs, self._pending_finished = self._pending_finished, []
         return outs
+
+
+_NO_LOGPROBS = itertools.repeat(None)   # update's logprobs when the step computed none
 
 
 def _ends_with_any(tokens: list[int], sequences: list[list[int]]) -> bool:

@@ -23,7 +23,7 @@ from typing import Sequence
 from backend_lib.config import EngineConfig
 from backend_lib.engine import EngineStats
 from backend_lib.models.loader import load_hf_config
-from backend_lib.request import FinishReason, RequestOutput, SamplingParams, validate_request
+from backend_lib.request import FinishReason, OutputRow, RequestOutput, SamplingParams, output_of_row, validate_request
 
 STEP_US_ENV = "BENCH_EMULATED_STEP_US"
 
@@ -84,6 +84,9 @@ class EmulatedEngine:
         return dataclasses.replace(self._stats, num_running=len(self._running), num_waiting=len(self._waiting))
 
     def step(self) -> list[RequestOutput]:
+        return [output_of_row(row) for row in self.step_rows()]
+
+    def step_rows(self) -> list[OutputRow]:
         t0 = time.perf_counter()
         outs = self._take_aborts()
         while self._waiting and len(self._running) < self.max_rows:
@@ -96,8 +99,8 @@ class EmulatedEngine:
             row.made += 1
             done = row.made >= row.max_tokens
             tok = self._ids[(row.first_id + row.made) % len(self._ids)]
-            outs.append(RequestOutput(row.rid, [tok], done, FinishReason.LENGTH if done else None,
-                                      row.prompt_len, row.made))
+            outs.append((row.rid, [tok], done, FinishReason.LENGTH.value if done else None,
+                         row.prompt_len, row.made, None, None, None, 0))
             if done:
                 ended.append(row.rid)
         for rid in ended:
@@ -114,7 +117,7 @@ class EmulatedEngine:
         self._stats.wait_time_s += max(0.0, wait)
         return outs
 
-    def _take_aborts(self) -> list[RequestOutput]:
+    def _take_aborts(self) -> list[OutputRow]:
         outs = []
         for rid in self._aborted:
             row = self._running.pop(rid, None)
@@ -123,7 +126,7 @@ class EmulatedEngine:
                 if row is None:
                     continue
                 self._waiting.remove(row)
-            outs.append(RequestOutput(rid, [], True, FinishReason.ABORT, row.prompt_len, row.made))
+            outs.append((rid, [], True, FinishReason.ABORT.value, row.prompt_len, row.made, None, None, None, 0))
         self._aborted.clear()
         return outs
 

@@ -204,7 +204,7 @@ def test_engine_death_fails_inflight_requests_and_goes_unhealthy(path):
         def boom():
             raise RuntimeError("injected device failure")
 
-        aeng.engine.step = boom
+        aeng.engine.step_rows = boom
         toks, reason = stream.result()
         assert str(reason) == "error"
         _wait(lambda: outs and outs[-1].finished)
@@ -280,7 +280,7 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference, deliver
     # callback) seconds: half a step each makes that several steps (merged tokens) yet shorter
     # than a long request (tokens keep coming), however loaded the machine is.
     step_s = [0.002]
-    step = aeng.engine.step
+    step = aeng.engine.step_rows
 
     def timed_step():
         t0 = time.perf_counter()
@@ -289,7 +289,7 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference, deliver
         finally:
             step_s.append(time.perf_counter() - t0)
 
-    aeng.engine.step = timed_step
+    aeng.engine.step_rows = timed_step
 
     def cb(out):
         with lock:
@@ -384,7 +384,7 @@ def test_a_stalled_step_fails_the_requests_and_the_engine(path, monkeypatch):
     try:
         time.sleep(3.0)  # idle past the timeout: no stall
         assert len(aeng.add_request("warm", [5, 6, 7], greedy(6, ignore_eos=True)).result()[0]) == 6
-        step = aeng.engine.step
+        step = aeng.engine.step_rows
         hang = threading.Event()
 
         def maybe_hang():
@@ -392,7 +392,7 @@ def test_a_stalled_step_fails_the_requests_and_the_engine(path, monkeypatch):
                 release.wait(60)
             return step()
 
-        aeng.engine.step = maybe_hang
+        aeng.engine.step_rows = maybe_hang
         assert_a_stall_fails_the_streams(aeng, hang.set, 1.5, "engine step running for")
         assert not aeng.is_healthy()
         with pytest.raises(RuntimeError, match="not healthy"):

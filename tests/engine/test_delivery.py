@@ -8,7 +8,7 @@ import threading
 
 from backend_lib import AsyncEngine, EngineProcessClient
 from backend_lib import engine_wire as wire
-from backend_lib.request import RequestOutput
+from backend_lib.request import RequestOutput, output_row
 
 BACKLOG = [RequestOutput(f"s{i}", [7], False, num_prompt_tokens=3, num_output_tokens=5) for i in range(12)]
 FIRST = RequestOutput("p", [9], False, num_prompt_tokens=3, num_output_tokens=1)
@@ -43,7 +43,7 @@ class _ScriptedFrames:
 
 
 def _steps(*outs):
-    return (wire.STEPS, [[wire.encode_output(o) for o in outs]])
+    return (wire.STEPS, [[output_row(o) for o in outs]])
 
 
 def test_the_engine_process_reader_lets_a_first_token_overtake_the_backlog():
@@ -64,7 +64,7 @@ def test_the_in_process_dispatcher_lets_a_first_token_overtake_the_backlog():
     delivered = []
     a = AsyncEngine.__new__(AsyncEngine)
     a._outs, a._merge_queued, a._delivery_threads = queue.Queue(), True, 1
-    later = {1: [FIRST], 5: [LATER], 14: _STOP}
+    later = {1: [output_row(FIRST)], 5: [output_row(LATER)], 14: _STOP}
 
     def deliver(out):
         delivered.append(out)
@@ -72,7 +72,7 @@ def test_the_in_process_dispatcher_lets_a_first_token_overtake_the_backlog():
             a._outs.put(later[len(delivered)])
 
     a._deliver = deliver
-    a._outs.put(list(BACKLOG))
+    a._outs.put([output_row(o) for o in BACKLOG])
     a._dispatch_main()
     assert [o.request_id for o in delivered] == WANT
 
@@ -176,8 +176,8 @@ def test_delivery_threads_out_of_range_name_the_parameter():
     assert delivery_threads({"parameters": {"delivery_threads": {"string_value": "4"}}}) == 4
 
 
-def test_outputs_added_as_wire_tuples_come_out_as_added_as_outputs():
-    """DeliveryQueue.add_wire (the engine process's reader: rows merged without decoding) hands
+def test_outputs_added_as_rows_come_out_as_added_as_outputs():
+    """DeliveryQueue.add_row (the engines' dispatchers: rows merged without decoding) hands
     out what add of the decoded outputs does, pop for pop: first tokens, merged tokens and
     logprobs of n > 1 sequences, finish reasons, errors, aborts, the final output last, nothing
     after it (a stray output after the final is dropped); pops interleaved with the adds at random points."""
@@ -221,7 +221,7 @@ def test_outputs_added_as_wire_tuples_come_out_as_added_as_outputs():
                     got_wire.append(by_wire.pop())
                 continue
             by_output.add(o)
-            by_wire.add_wire(wire.encode_output(o))
+            by_wire.add_row(output_row(o))
         got_output += by_output.drain()
         got_wire += by_wire.drain()
         assert got_wire == got_output

@@ -15,7 +15,7 @@ import zlib
 import pytest
 
 from backend_lib.kv_cache import BlockPool
-from backend_lib.request import Request, SamplingParams
+from backend_lib.request import Request, SamplingParams, output_of_row
 from backend_lib.scheduler import Scheduler
 
 VOCAB = 64
@@ -95,7 +95,7 @@ def run(depth, caching, budget, specs, num_blocks=24, bs=4, max_seqs=6, max_len=
             results += sched.update(done, tokens)
             if out.is_empty:
                 break
-        for o in results:
+        for o in map(output_of_row, results):
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finished:
                 finals[o.request_id] = str(o.finish_reason)
@@ -184,7 +184,7 @@ def test_overshoot_kv_exists_and_is_never_cached():
     got = []
     while not b.is_finished:
         out = sched.schedule()
-        got += [t for o in sched.update(out, runner.execute(out)) for t in o.new_token_ids]
+        got += [t for row in sched.update(out, runner.execute(out)) for t in output_of_row(row).new_token_ids]
     assert sched.stats.prefix_cache_hit_tokens_total == (stop_pos + 1) // bs * bs
     assert got == reference(prompt_b, 6, ())
 

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from backend_lib import EngineConfig, EngineProcessClient
+from backend_lib.request import output_of_row
 from backend_lib.shared_core import socket_name
 from engine_helpers import greedy, make_engine, process_alive
 from test_async_engine import KW, _wait
@@ -186,9 +187,9 @@ def test_concurrent_clients_share_one_core_and_get_their_own_outputs(pair, refer
     for who, c in (("a", a), ("b", b)):
         real = c._accept
 
-        def spy(outs, waiting, real=real, who=who):
-            received[who].extend(o.request_id for o in outs)
-            return real(outs, waiting)
+        def spy(rows, waiting, real=real, who=who):
+            received[who].extend(output_of_row(row).request_id for row in rows)
+            return real(rows, waiting)
 
         c._accept = spy
 
