@@ -99,6 +99,27 @@ class _PhaseTimer:
             self.totals[k] = 0.0
 
 
+# --sections: parts of the phases, timed where they are called (none contains another):
+# (label, object path on the engine, method)
+SECTIONS = (("block hashing", "scheduler", "_hashes"),
+            ("table plan", "runner", "plan_tables"),
+            ("mixed pack", "runner", "pack_mixed"),
+            ("table apply", "runner", "apply_tables"),
+            ("decode graph replay", "runner.decode_graphs", "replay"),
+            ("mixed graph replay", "runner.mixed_graphs", "replay"))
+
+
+def _wrap_sections(eng) -> _PhaseTimer:
+    timer = _PhaseTimer()
+    for label, path, attr in SECTIONS:
+        obj = eng
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, attr):  # an older backend_lib (--compare) may lack one
+            timer.wrap(obj, attr, label)
+    return timer
+
+
 def build_engine(args, submission: str = "inline", lookahead: int = 1, extra: dict | None = None):
     """extra: more EngineConfig fields."""
     import torch
@@ -151,6 +172,9 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
         eng.step()
     timer = eng._host_loop_timer
     timer.reset()
+    sections = getattr(eng, "_host_loop_sections", None)
+    if sections is not None:
+        sections.reset()
     s0 = eng.stats()
     prof = cProfile.Profile() if profile else None
     gc_before = _gen2_collections()
@@ -194,6 +218,8 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
                device_idle_pct=device_idle * 100, wait_us=wait / n * 1e6, tokens_per_step=gen / n,
                **{f"{k}_us": _median(v) * 1e6 for k, v in per_step.items()})
     row["other_us"] = row["host_us"] - sum(row[f"{k}_us"] for k in names)
+    if sections is not None:  # means: a section may run on some steps only (hashing, mixed packing)
+        row["sections_us"] = {k: v / n * 1e6 for k, v in sections.totals.items()}
     row["gen2_collections"] = _gen2_collections() - gc_before
     # Finish the batch (not timed): the next batch starts from an empty engine.
     for rid in list(eng.scheduler.requests):
@@ -246,6 +272,7 @@ def run_here(args, submission: str = "inline", lookahead: int = 1) -> dict:
         timer.wrap(eng.runner, "execute", "submit")
     timer.wrap(eng.scheduler, "update", "update")
     eng._host_loop_timer = timer
+    eng._host_loop_sections = _wrap_sections(eng) if getattr(args, "sections", False) else None
     try:
         rows = [measure_batch(eng, b, args, profile=(b == args.profile)) for b in args.batches]
     finally:
@@ -272,6 +299,16 @@ def table(result: dict, label: str) -> str:
         lines.append(f"| {r['batch']} | {r['host_us']:.1f} | {r['host_mean_us']:.1f} | {r['cpu_us']:.1f} | " + " | ".join(f"{r.get(c + '_us', 0.0):.1f}" for c in cols)
                      + f" | {r['wait_us']:.1f} | {r['tokens_per_step']:.0f} | {r['gen2_collections']} |")
     lines.append(f"µs/row (batch {result['rows'][0]['batch']} -> {result['rows'][-1]['batch']}): {slope(result['rows']):.2f}")
+    return "\n".join(lines)
+
+
+def sections_table(result: dict, label: str) -> str:
+    """--sections: the mean µs per step of each timed section, per batch."""
+    names = list(result["rows"][0]["sections_us"])
+    lines = [f"{label}, sections (mean µs per step, inside the phases above)",
+             "| batch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for r in result["rows"]:
+        lines.append(f"| {r['batch']} | " + " | ".join(f"{r['sections_us'][k]:.1f}" for k in names) + " |")
     return "\n".join(lines)
 
 
@@ -343,6 +380,8 @@ def _forward_args(args) -> list[str]:
         a += ["--device-us", str(args.device_us)]
     if args.churn:
         a += ["--churn", str(args.churn)]
+    if args.sections:
+        a += ["--sections"]
     return a
 
 
@@ -397,6 +436,9 @@ def main(argv=None) -> None:
                         "before it asks for it; Python's default is 5 ms)")
     p.add_argument("--submission", default=["inline"], type=lambda s: [x.strip() for x in s.split(",")],
                    help="step_submission modes to measure, e.g. inline,thread (a fresh engine each)")
+    p.add_argument("--sections", action="store_true",
+                   help="also time parts of the phases (block hashing, table updates, mixed packing, "
+                        "graph replays): one more table")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -443,6 +485,9 @@ def main(argv=None) -> None:
             prof = r.pop("profile", None)
             if prof:
                 print(f"---- cProfile ({key}, batch {r['batch']}, {r['steps']} steps) ----\n{prof}")
+    if args.sections:
+        text += "".join(f"\n\n{sections_table(res, key)}" for key, res in results.items()
+                        if isinstance(res, dict) and res.get("rows"))
     print(text)
     if args.compare and args.repeat > 1:
         results["pairs"] = [dict(before=b, after=a) for b, a in pairs]

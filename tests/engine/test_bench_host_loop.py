@@ -1,5 +1,5 @@
 """bench/host_loop.py's before/after mode on CPU: --churn steps (prefill chunks admitted every
-step, through the no-math mixed program) and --repeat pairs with their medians."""
+step, through the no-math mixed program), --repeat pairs with their medians, and --sections."""
 import json
 import subprocess
 import sys
@@ -16,7 +16,7 @@ def test_compare_with_churn_and_repeat(tmp_path):
     out = tmp_path / "host_loop.json"
     r = subprocess.run([sys.executable, "-m", "bench.host_loop", "--batches", "4,8", "--churn", "2", "--steps", "8",
                         "--warmup", "2", "--max-model-len", "128", "--compare", str(before), "--repeat", "2",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "--sections", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert len(res["pairs"]) == 2
@@ -28,6 +28,14 @@ def test_compare_with_churn_and_repeat(tmp_path):
             # two requests retired and two admitted before each timed step: the batch stays full
             # and every step carries their prefill chunks
             assert all(row["tokens_per_step"] >= row["batch"] - 2 and row["host_us"] > 0 for row in rows)
+            for row in rows:  # --sections: every step admits, so it hashes, packs and replays a mixed graph
+                sec = row["sections_us"]
+                assert sec["block hashing"] > 0 and sec["mixed pack"] > 0 and sec["mixed graph replay"] > 0
+                assert sec["decode graph replay"] == 0
+                assert sum(sec.values()) < row["host_mean_us"]  # parts of the timed phases
     table = r.stdout[r.stdout.index("2 pairs, alternating order"):].splitlines()
     assert [line.split(" | ")[0] for line in table[3:5]] == ["| 4", "| 8"]
     assert all(len(line.split(" | ")[1].split()) == 2 for line in table[3:5])  # a ratio per pair
+    head = next(i for i, line in enumerate(r.stdout.splitlines()) if line.startswith("after, sections"))
+    assert r.stdout.splitlines()[head + 1] == ("| batch | block hashing | table plan | mixed pack | table apply "
+                                               "| decode graph replay | mixed graph replay |")
