@@ -13,6 +13,8 @@ waiting on the device, at batch 1/64/256 of steady greedy decode; one table.
     python -m bench.host_loop --submission inline,thread --lookahead 1,2 --device-us 100
     # requests coming and going: K aborted and K admitted before each timed step
     python -m bench.host_loop --batches 256 --churn 3 --compare DIR
+    # + parts of the phases: block hashing, table updates, mixed packing, graph replays
+    python -m bench.host_loop --batches 256 --churn 3 --prompt-len 256 --sections
 
 What is measured: B requests (distinct prompts of --prompt-len + 0..15 tokens, greedy, ignore_eos) are admitted and
 prefilled, a few decode steps run as warm-up, then `--steps` steady decode steps are timed.
