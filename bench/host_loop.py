@@ -170,7 +170,17 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     first = 0
     while first < batch:
         first += sum(1 for o in eng.step() if o.num_output_tokens == 1 and o.new_token_ids)
-    for _ in range(args.warmup):
+    def churn() -> None:
+        # --churn K: K requests leave and K new ones arrive before each step (a closed loop's
+        # turnover: their prefill chunks ride in the step, their rows are retired and reused)
+        nonlocal admitted
+        for _ in range(min(args.churn, batch)):
+            eng.abort(f"b{batch}-{admitted - batch}")
+            add(admitted)
+            admitted += 1
+
+    for _ in range(args.warmup):  # with the churn too: the timed steps then commit no warm-up backlog
+        churn()
         eng.step()
     timer = eng._host_loop_timer
     timer.reset()
@@ -192,12 +202,7 @@ def measure_batch(eng, batch: int, args, profile: bool) -> dict:
     if prof:
         prof.enable()
     for _ in range(args.steps):
-        # --churn K: K requests leave and K new ones arrive before each step (a closed loop's
-        # turnover: their prefill chunks ride in the step, their rows are retired and reused)
-        for _ in range(min(args.churn, batch)):
-            eng.abort(f"b{batch}-{admitted - batch}")
-            add(admitted)
-            admitted += 1
+        churn()
         before = dict(timer.totals)
         st, wt, ct = eng._step_s, eng._wait_s, time.thread_time()
         eng.step()
