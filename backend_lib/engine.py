@@ -29,7 +29,8 @@ from .config import EngineConfig, resolve_async_handoff
 from .kv_cache import BlockPool
 from .model_runner import ModelRunner
 from .models.loader import load_hf_config
-from .request import CompletionOutput, OutputRow, Request, RequestOutput, SamplingParams, output_of_row, validate_request
+from .request import (CompletionOutput, OutputRow, Request, RequestOutput, SamplingParams, output_of_row,
+                      validate_request)
 from .scheduler import Scheduler, SchedulerOutput
 from .submission import make_submission
 
@@ -175,14 +176,14 @@ class LLMEngine:
         if not self._parents:
             return rows
         for i, row in enumerate(rows):
-            child = _parent_of(row[0])
+            rid, toks, finished, *rest = row
+            child = _parent_of(rid)
             if child is None:
                 continue
             parent_id, _ = child
             parent = self._parents.get(parent_id)
             if parent is None:
                 continue
-            _, toks, finished, *rest = row
             if finished:
                 parent.remaining -= 1
                 finished = parent.remaining == 0

@@ -412,13 +412,11 @@ class Scheduler:
                 self._finish(req, FinishReason.LENGTH, emit=False)
             elif interval > 1 and (n_out - 1) % interval:
                 continue  # held: it goes out with the interval's last token (or the request's end)
-            else:
-                if n_lp is None and req.num_streamed == n_out - 1:
-                    # The common case of _output: exactly this token is new, the request goes on.
-                    req.num_streamed = n_out
-                    emit((req.request_id, [token], False, None, req.num_prompt_tokens, n_out, None, None, None,
-                          req.index))
-                    continue
+            elif n_lp is None and req.num_streamed == n_out - 1:
+                # The common case of _output: exactly this token is new, the request goes on.
+                req.num_streamed = n_out
+                emit((req.request_id, [token], False, None, req.num_prompt_tokens, n_out, None, None, None, req.index))
+                continue
             emit(self._output(req))
         self.stats.generation_tokens_total += num_new
         return outputs
