@@ -56,6 +56,24 @@ def skinny_gemm() -> str:
     raise ValueError(f"{SKINNY_GEMM_ENV}={v!r}: must be off, on or force")
 
 
+# One-token forwards (batch-1 decode) on CUDA (backend_lib/layers/decode_gemv.py): each
+# projection one kernel with the add + norm or silu * mul before it folded in, launched with
+# programmatic dependent launch where the GPU has it (Hopper). on (PDL where supported),
+# nopdl (the same kernels, plain launches), off (the batched path at every size).
+DECODE_GEMV_ENV = "BACKEND_LIB_DECODE_GEMV"
+
+
+def decode_gemv() -> str:
+    v = os.environ.get(DECODE_GEMV_ENV, "on").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return "off"
+    if v in ("", "1", "on", "true", "yes"):
+        return "on"
+    if v == "nopdl":
+        return "nopdl"
+    raise ValueError(f"{DECODE_GEMV_ENV}={v!r}: must be off, on or nopdl")
+
+
 # Sampling kernels on CUDA: split (the default: each row spread across many programs,
 # layers/sampling_split.py and logprobs_kernels.py) or rows (one program per row,
 # layers/sampling_kernels.py, torch logprobs and masks). On the H200 split is faster at every

@@ -28,7 +28,7 @@ from .handoff import HostStaging, StepHandle, TokenHandoff, host_tensor
 from .mixed_graphs import MixedGraphs, MixedMeta, mixed_buckets, parse_token_buckets
 from .mixed_pack import MixedRows, pack_rows
 from .layers.attention import AttentionMetadata
-from .layers import skinny_gemm
+from .layers import decode_gemv, skinny_gemm
 from .layers.logprobs import MAX_LOGPROBS, pack_tokens_and_logprobs, packed_width
 from .layers.penalties import PenaltyState
 from .layers.sampler import SamplingTensors, native_logits_ok, sample
@@ -122,6 +122,8 @@ class ModelRunner:
         self.gemm_table = skinny_gemm.install(
             self.model, [b for b in self._graph_buckets() if b <= skinny_gemm.MAX_M],
             envs.skinny_gemm()) if self.device.type == "cuda" else None
+        self.one_token_gemv = decode_gemv.install(self.model, envs.decode_gemv()) \
+            if self.device.type == "cuda" and self.model.use_fused_ops else None
         self.decode_graphs: Optional[DecodeGraphs] = None
         self.mixed_graphs: Optional[MixedGraphs] = None
         if self.device.type == "cuda" and cfg.enable_cuda_graph and not self.is_pipeline_stage:

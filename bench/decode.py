@@ -8,6 +8,8 @@ token handoff), one run, one table per model.
     python -m bench.decode --device cuda --preset qwen2.5-0.5b --impls async --batches 1,64,256 \
         --sampling greedy,temperature,top_p,logprobs              # issue 14's sampler rows
         [--sampler split,rows]                                    # both kernel sets, one engine each
+    python -m bench.decode --device cuda --impls async --batches 1,8 \
+        --env-variant base:BACKEND_LIB_DECODE_GEMV=off --env-variant gemv:BACKEND_LIB_DECODE_GEMV=on
 
 What is measured (greedy unless --sampling, ignore EOS, every request of a batch has the
 same prompt length):
@@ -54,6 +56,7 @@ before the next. The tables are printed last; decode.json goes to --out-dir.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -275,11 +278,41 @@ def bench_hf(spec: ModelSpec, args) -> list[Row]:
 
 # ---- our engine ----------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _environment(env: dict):
+    """os.environ with env set, restored after (an --env-variant's engine)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def parse_env_variant(text: str) -> tuple[str, dict]:
+    """'NAME:VAR=VALUE,VAR=VALUE' -> (NAME, {VAR: VALUE})."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name:
+        raise ValueError(f"--env-variant {text!r}: expected NAME:VAR=VALUE[,VAR=VALUE]")
+    env = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        var, eq, val = item.partition("=")
+        if not eq or not var:
+            raise ValueError(f"--env-variant {text!r}: {item!r} is not VAR=VALUE")
+        env[var] = val
+    return name, env
+
+
 def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = None,
-                 sampler: Optional[str] = None) -> list[Row]:
+                 sampler: Optional[str] = None, variant: str = "") -> list[Row]:
     """timeline: {"batch": B, "steps": N, "skip": K, "lanes": dict} to record N steady decode
     steps of batch B (CUDA events of each step) into lanes[impl]. sampler: the sampling
-    kernels' implementation for this engine (sampling_kernels.IMPL; its graphs keep it)."""
+    kernels' implementation for this engine (sampling_kernels.IMPL; its graphs keep it).
+    variant: the --env-variant's name this engine runs under (added to the row's impl)."""
     from backend_lib import EngineConfig, LLMEngine
     from backend_lib.layers import sampling_kernels
     if sampler:
@@ -303,6 +336,8 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
     impl = ("engine async" if eng.async_enabled else "engine sync") + (f" pp{args.pp}" if args.pp > 1 else "")
     if len(args.sampler_list) > 1:
         impl += f" [{sampler}]"
+    if variant:
+        impl += f" [{variant}]"
     print(f"  {impl}: engine ready in {t_init:.1f} s", file=sys.stderr, flush=True)
     if mode == "on":
         assert eng.async_enabled, eng.decision
@@ -443,6 +478,9 @@ def parse_args(argv=None):
     ap.add_argument("--sampler-settings", default="",
                     help="KEY=VALUE,... over backend_lib/layers/sampling_split's launch settings "
                          "(see bench/sampler_kernels.py), for the whole run")
+    ap.add_argument("--env-variant", action="append", default=[],
+                    help="NAME:VAR=VALUE[,VAR=VALUE], repeatable: one engine each, built and run "
+                         "with those environment variables (e.g. gemv:BACKEND_LIB_DECODE_GEMV=on)")
     ap.add_argument("--sampler", default="",
                     help="comma list of sampling-kernel implementations (CUDA), one engine each: "
                          "split (each row across many programs, the default) and rows (one program per row)")
@@ -487,6 +525,10 @@ def parse_args(argv=None):
         for k, v in settings(args.sampler_settings).items():
             setattr(sampling_split, k, v)
     args.sampler_list = [x.strip() for x in args.sampler.split(",") if x.strip()] or [None]
+    try:
+        args.env_variants = [parse_env_variant(v) for v in args.env_variant] or [("", {})]
+    except ValueError as e:
+        ap.error(str(e))
     if set(args.sampler_list) - {None, "split", "rows"}:
         ap.error(f"--sampler: choose from split, rows (got {args.sampler})")
     bad = set(args.sampling_list) - set(SAMPLING_MODES)
@@ -564,11 +606,12 @@ def main(argv=None) -> int:
                              "skip": 20, "lanes": {}}
         if {"hf", "cb"} & set(args.impl_list):
             rows += bench_hf(spec, args)
-        for sampler in args.sampler_list:
-            if "sync" in args.impl_list:
-                rows += bench_engine(spec, "off", args, tl, sampler)
-            if "async" in args.impl_list:
-                rows += bench_engine(spec, "on", args, tl, sampler)
+        for (variant, env), sampler in [(v, s) for v in args.env_variants for s in args.sampler_list]:
+            with _environment(env):
+                if "sync" in args.impl_list:
+                    rows += bench_engine(spec, "off", args, tl, sampler, variant)
+                if "async" in args.impl_list:
+                    rows += bench_engine(spec, "on", args, tl, sampler, variant)
         print(f"  ({spec.name}: {time.time() - t_model:.0f} s)", file=sys.stderr, flush=True)
     meta["elapsed_s"] = round(time.time() - t_start, 1)
 

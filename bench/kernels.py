@@ -4,6 +4,8 @@ small M against the weight-bandwidth roofline; and decode TPOT (issue 12's befor
     python -m bench.kernels --device cuda --out-dir $OUT        # H200: all three parts, ~3 min
     python -m bench.kernels --device cuda --out-dir $OUT --skinny   # + census and TPOT b1/b8 with the skinny GEMM
     python -m bench.kernels --device cuda --no-tpot --batch 8   # census + GEMMs only, batch 8
+    python -m bench.kernels --device cuda --no-gemm --env-variant base:BACKEND_LIB_DECODE_GEMV=off \
+        --env-variant gemv:BACKEND_LIB_DECODE_GEMV=on            # census and TPOT of each, one run
     python -m bench.kernels                                     # CPU smoke run (scaled-down model)
 
 1. Kernel census (torch.profiler, CUDA activities): a Qwen2.5-0.5B-shaped checkpoint with
@@ -31,7 +33,6 @@ counts profiler CPU ops instead of kernels; parts 2 and 3 are skipped.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -47,6 +48,8 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from backend_lib import envs  # noqa: E402
+from bench.decode import _environment, parse_env_variant  # noqa: E402
 from scripts import load_make_model  # noqa: E402
 
 # Scaled-down 0.5B for the CPU smoke run (same structure: Qwen2 biases, GQA, tied head).
@@ -267,18 +270,8 @@ def census_of(path: str, args, trace: Path) -> dict:
     return census
 
 
-@contextlib.contextmanager
 def _skinny_env(on: bool):
-    from backend_lib import envs
-    old = os.environ.get(envs.SKINNY_GEMM_ENV)
-    os.environ[envs.SKINNY_GEMM_ENV] = "on" if on else "off"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[envs.SKINNY_GEMM_ENV]
-        else:
-            os.environ[envs.SKINNY_GEMM_ENV] = old
+    return _environment({envs.SKINNY_GEMM_ENV: "on" if on else "off"})
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -296,6 +289,10 @@ def parse_args(argv=None):
     ap.add_argument("--out-dir", default="/tmp/bench-out", help="kernels.md, kernels.json, kernels_trace.json")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM-shape table")
     ap.add_argument("--no-tpot", action="store_true", help="skip the TPOT run (bench.decode)")
+    ap.add_argument("--env-variant", action="append", default=[],
+                    help="NAME:VAR=VALUE[,VAR=VALUE], repeatable: the census and the TPOT once under "
+                         "each (replaces the plain run and --skinny's)")
+    ap.add_argument("--tpot-batches", default="1,8,64,256", help="the TPOT run's batches")
     ap.add_argument("--skinny", action="store_true",
                     help="also the census and the TPOT of batch 1 and 8 with BACKEND_LIB_SKINNY_GEMM=on "
                          "(the start-up selection of layers/skinny_gemm.py)")
@@ -322,13 +319,16 @@ def main(argv=None) -> int:
     path = build_model(args)
     sections: list[str] = []
     result: dict = {"meta": meta}
-    for skinny in ([False, True] if (cuda and args.skinny) else [False]):
-        tag = " (BACKEND_LIB_SKINNY_GEMM=on)" if skinny else ""
-        with _skinny_env(skinny):
-            census = census_of(path, args, out / f"kernels_trace{'_skinny' if skinny else ''}.json")
+    variants = [("", {})] + ([("skinny", {envs.SKINNY_GEMM_ENV: "on"})] if (cuda and args.skinny) else [])
+    if args.env_variant:
+        variants = [parse_env_variant(v) for v in args.env_variant]
+    for name, env in variants:
+        tag = f" ({name}: {' '.join(f'{k}={v}' for k, v in env.items())})" if name else ""
+        with _environment(env):
+            census = census_of(path, args, out / f"kernels_trace{'_' + name if name else ''}.json")
         sections += [f"## Kernels of one decode step: qwen2.5-0.5b shape, batch {args.batch}, "
                      f"prompt {args.prompt_len}, sampling {args.sampling}{tag}\n", census_tables(census, cuda), ""]
-        result["census" + ("_skinny" if skinny else "")] = {
+        result["census" + ("_" + name if name else "")] = {
             "kernels_per_step": len(census["events"]) / census["steps"],
             **{k: v for k, v in census.items() if k != "events"}}
     if cuda and not args.no_gemm:
@@ -342,9 +342,10 @@ def main(argv=None) -> int:
     (out / "kernels.json").write_text(json.dumps(result, indent=2))
     if cuda and not args.no_tpot:
         from bench import decode
-        decode.main(["--device", "cuda", "--impls", "async", "--batches", "1,8,64,256", "--timeline", "",
-                     "--model-dir", args.model_dir, "--out-dir", str(out)])
-        if args.skinny:
+        decode.main(["--device", "cuda", "--impls", "async", "--batches", args.tpot_batches, "--timeline", "",
+                     "--model-dir", args.model_dir, "--out-dir", str(out)]
+                    + [a for v in args.env_variant for a in ("--env-variant", v)])
+        if args.skinny and not args.env_variant:
             print("\n## TPOT with BACKEND_LIB_SKINNY_GEMM=on (batch 1 and 8: the graph buckets it tunes)\n")
             with _skinny_env(True):
                 decode.main(["--device", "cuda", "--impls", "async", "--batches", "1,8", "--timeline", "",

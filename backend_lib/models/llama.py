@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import fused_ops
+from ..layers import decode_gemv, fused_ops
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
 from ..layers.rotary import RotaryEmbedding
 
@@ -108,8 +108,14 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
                 fused: bool = False):
+        out = self.attend(self.qkv_proj(x), positions, rotary, kv_cache, meta, fused)
+        return self.o_proj(out)
+
+    def attend(self, qkv, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
+               fused: bool = False):
+        """qkv projection's output -> attention output [T, q_size], before o_proj."""
         s = self.s
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
@@ -124,7 +130,7 @@ class Attention(nn.Module):
             q, k = rotary(positions, q, k)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return out.reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -164,11 +170,30 @@ class DecoderLayer(nn.Module):
         h, residual = fused_ops.fused_add_rms_norm(h, residual, ln2.weight, ln2.eps)
         return self.mlp(h, fused=True), residual
 
+    def forward_one_token(self, h, residual, positions, rotary, kv_cache, meta, gemv):
+        """forward_fused for a single token: each projection is one kernel that also runs the
+        op feeding it (add + norm, silu * mul), launched with PDL (layers/decode_gemv.py)."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        attn, mlp = self.self_attn, self.mlp
+        if residual is None:
+            qkv, _ = gemv.run(h, attn.qkv_proj, decode_gemv.RMSNORM, None, ln1.weight, ln1.eps)
+            residual = h
+        else:
+            qkv, residual = gemv.run(h, attn.qkv_proj, decode_gemv.ADD_RMSNORM, residual,
+                                     ln1.weight, ln1.eps)
+        o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True)
+        h, _ = gemv.run(o.contiguous(), attn.o_proj)
+        gate_up, residual = gemv.run(h, mlp.gate_up_proj, decode_gemv.ADD_RMSNORM, residual,
+                                     ln2.weight, ln2.eps)
+        h, _ = gemv.run(gate_up, mlp.down_proj, decode_gemv.SILU_MUL)
+        return h, residual
+
 
 class DecoderModel(nn.Module):
     """Layers [layer_start, layer_end) of a Llama-family decoder."""
 
     use_fused_ops = True  # set False (class or instance) to run the torch path on CUDA too
+    one_token_gemv = None  # layers/decode_gemv.DecodeGemv: one-token forwards go through it
 
     def __init__(self, hf_config, layer_start: int = 0, layer_end: Optional[int] = None):
         super().__init__()
@@ -190,8 +215,13 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids_or_hidden) if self.is_first else input_ids_or_hidden
         if self._fused(x):
             residual = None
+            one_token = self.one_token_gemv is not None and x.shape[0] == 1
             for layer, kv in zip(self.layers, kv_caches):
-                x, residual = layer.forward_fused(x, residual, positions, self.rotary, kv, meta)
+                if one_token:
+                    x, residual = layer.forward_one_token(x, residual, positions, self.rotary, kv,
+                                                          meta, self.one_token_gemv)
+                else:
+                    x, residual = layer.forward_fused(x, residual, positions, self.rotary, kv, meta)
             if not self.is_last:
                 return x if residual is None else x + residual
             # The stream's last add fused with the final norm: one kernel.

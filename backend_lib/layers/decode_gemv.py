@@ -1,0 +1,256 @@
+"""One-token projections as one kernel each, with the op that feeds them folded in, launched
+with programmatic dependent launch (PDL) on Hopper (Triton).
+
+At batch 1 a decoder layer of a 0.5B model streams ~30 MB of weights in ~7 µs at the memory
+bandwidth, yet its ten kernels each cost a fixed ~3-5 µs (launch, the first DRAM round trip,
+the tail) whatever their bytes. Two things cut that fixed cost:
+  - fewer kernels: the residual add + RMSNorm that feeds q/k/v and gate/up, and the silu * mul
+    that feeds down, run in the projection's prologue. Every program recomputes the row's
+    norm: the row is K values (3.5-16 KB) read from L2, far less than its weight tile.
+  - PDL: with ``launch_pdl`` the next kernel starts while this one runs. A program first loads
+    its first weight tile (weights are never written by an earlier kernel of the step), then
+    waits (``griddepcontrol.wait``) until the previous kernel's writes are visible, and only
+    then reads activations. Each kernel also lets the next one launch as soon as it starts.
+    Every kernel of the chain waits before it finishes, so "previous kernel complete" implies
+    everything before it is complete too.
+
+y[N] = prologue(x) @ W[N, K]^T (+ b) for one row, fp32 accumulation, in x's dtype. Prologues:
+  PLAIN         x as given
+  RMSNORM       rms_norm(x) * ln_w            (layer 0: the stream is the embedding itself)
+  ADD_RMSNORM   s = x + residual; rms_norm(s) * ln_w; program 0 also writes s (the new stream)
+  SILU_MUL      silu(x[:K]) * x[K:]           (x is gate_up's output, [2K])
+Each rounds where the unfused torch ops round (HF's order), as layers/fused_ops.py does.
+
+A program owns BLOCK_N output columns and walks K in BLOCK_K chunks, loading chunk c + 1
+while it multiplies chunk c. Which (BLOCK_N, BLOCK_K, warps) is fastest depends on the shape;
+`DecodeGemv.tune` measures inside a CUDA graph, as the decode step runs them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
+from .triton_support import INTERPRET as _INTERPRET
+
+logger = logging.getLogger(__name__)
+
+PLAIN, RMSNORM, ADD_RMSNORM, SILU_MUL = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+DEFAULT_CONFIG = GemvConfig(8, 1024, 4)
+# What start-up tuning tries (few: each compiles once per prologue, then Triton's disk cache).
+CANDIDATES = (GemvConfig(4, 1024, 4), GemvConfig(8, 1024, 4), GemvConfig(8, 512, 4),
+              GemvConfig(16, 512, 4), GemvConfig(16, 1024, 8), GemvConfig(32, 256, 4))
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _stream_chunk(X, R, offs, mask, HAS_RES: tl.constexpr, DT: tl.constexpr):
+        """The residual stream's values at offs, fp32: x, or x + residual rounded to DT the
+        way the unfused `x = x + f(x)` rounds."""
+        s = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            s = (s + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
+        return s
+
+    @triton.jit
+    def _gemv_kernel(X, R, LNW, W, B, Y, ROUT, N, K, eps, stride_wn,
+                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        DT = X.dtype.element_ty
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_kb = tl.arange(0, BLOCK_K)
+        w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+        # The first weight tile does not depend on earlier kernels: in flight before the wait.
+        w_next = tl.load(w_rows + offs_kb[None, :], mask=n_mask[:, None] & (offs_kb < K)[None, :],
+                         other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+        HAS_RES: tl.constexpr = PROLOGUE == ADD_RMSNORM
+        NORM: tl.constexpr = (PROLOGUE == RMSNORM) or (PROLOGUE == ADD_RMSNORM)
+        rstd = 0.0
+        if NORM:
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs = k0 + offs_kb
+                mask = offs < K
+                s = _stream_chunk(X, R, offs, mask, HAS_RES, DT)
+                if HAS_RES:
+                    if pid == 0:
+                        tl.store(ROUT + offs, s.to(ROUT.dtype.element_ty), mask=mask)
+                ss += s * s
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w = w_next
+            offs = k0 + offs_kb
+            mask = offs < K
+            nxt = offs + BLOCK_K
+            w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < K)[None, :],
+                             other=0.0)
+            if NORM:
+                s = _stream_chunk(X, R, offs, mask, HAS_RES, DT)
+                ln = tl.load(LNW + offs, mask=mask, other=0.0).to(tl.float32)
+                x = ((s * rstd).to(DT).to(tl.float32) * ln).to(DT).to(tl.float32)
+            elif PROLOGUE == SILU_MUL:
+                g = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(X + K + offs, mask=mask, other=0.0).to(tl.float32)
+                x = ((g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u).to(DT).to(tl.float32)
+            else:
+                x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
+    return (HAS_TRITON and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (HAS_TRITON and (x.is_cuda or _INTERPRET) and x.dim() == 2 and x.shape[0] == 1
+            and w.dim() == 2 and w.stride(1) == 1 and x.is_contiguous() and x.dtype == w.dtype)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
+         prologue: int = PLAIN, residual: Optional[torch.Tensor] = None,
+         ln_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+         cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False,
+         out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None
+         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """x [1, K] (SILU_MUL: [1, 2K]) -> (y [1, N], new residual or None). ADD_RMSNORM returns
+    x + residual as the new residual (into residual_out when given: the tests poison it)."""
+    if not supported(x, w):
+        raise ValueError(f"decode_gemv: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
+                         "not supported (one contiguous row, w's rows contiguous, one dtype, Triton)")
+    n, k = w.shape
+    want = 2 * k if prologue == SILU_MUL else k
+    if x.shape[1] != want:
+        raise ValueError(f"decode_gemv: x has {x.shape[1]} columns, the weight [{n}, {k}] with "
+                         f"prologue {prologue} needs {want}")
+    if prologue in (RMSNORM, ADD_RMSNORM) and ln_weight is None:
+        raise ValueError("decode_gemv: a norm prologue needs ln_weight")
+    if prologue == ADD_RMSNORM and (residual is None or residual.shape != x.shape
+                                    or not residual.is_contiguous()):
+        raise ValueError("decode_gemv: ADD_RMSNORM needs a contiguous residual shaped like x")
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
+    new_res = None
+    if prologue == ADD_RMSNORM:
+        new_res = torch.empty_like(x) if residual_out is None else residual_out
+    extra = {"launch_pdl": True} if pdl else {}
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
+        w, b if b is not None else w, y, new_res if new_res is not None else y,
+        n, k, eps, w.stride(0),
+        PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **extra)
+    return y, new_res
+
+
+# ----------------------------------------------------------------------------------
+# Torch reference (the unfused ops, HF's order)
+# ----------------------------------------------------------------------------------
+def _rms_norm_ref(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    s32 = s.float()
+    return weight * (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
+
+
+def gemv_ref(x, w, b=None, *, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6):
+    new_res = None
+    if prologue == RMSNORM:
+        x = _rms_norm_ref(x, ln_weight, eps)
+    elif prologue == ADD_RMSNORM:
+        new_res = x + residual
+        x = _rms_norm_ref(new_res, ln_weight, eps)
+    elif prologue == SILU_MUL:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    return F.linear(x, w, b), new_res
+
+
+# ----------------------------------------------------------------------------------
+# The model's use: per-shape configurations, measured at start-up
+# ----------------------------------------------------------------------------------
+@dataclass
+class DecodeGemv:
+    """The configuration of each (prologue, N, K, bias) the model's one-token forward uses,
+    and whether kernels launch with PDL. `tune` fills `configs` by timing candidates inside
+    a CUDA graph; an untuned shape runs DEFAULT_CONFIG."""
+
+    pdl: bool = False
+    configs: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+
+    def run(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6):
+        key = (prologue, proj.weight.shape[0], proj.weight.shape[1], proj.bias is not None)
+        return gemv(x, proj.weight, proj.bias, prologue=prologue, residual=residual,
+                    ln_weight=ln_weight, eps=eps, cfg=self.configs.get(key, DEFAULT_CONFIG),
+                    pdl=self.pdl)
+
+    def tune(self, cases: list[tuple[int, torch.Tensor, Optional[torch.Tensor]]]) -> None:
+        """cases: (prologue, weight, bias) the model runs. Each candidate is timed as 50
+        calls in one graph over weight copies larger than L2 (each layer's weights are cold)."""
+        from .skinny_gemm import time_linear_us, weight_copies
+        for prologue, w, b in cases:
+            key = (prologue, w.shape[0], w.shape[1], b is not None)
+            if key in self.configs:
+                continue
+            k = w.shape[1]
+            x = torch.randn(1, 2 * k if prologue == SILU_MUL else k, dtype=w.dtype, device=w.device)
+            res = torch.randn_like(x)
+            ln = torch.ones(k, dtype=w.dtype, device=w.device)
+            copies = weight_copies(w, b)
+            times = {}
+            for cfg in CANDIDATES:
+                def call(xx, ww, bb, c=cfg):
+                    return gemv(xx, ww, bb, prologue=prologue, residual=res, ln_weight=ln, cfg=c,
+                                pdl=self.pdl)
+                try:
+                    times[cfg] = time_linear_us(call, x, copies)
+                except Exception as e:  # a configuration the compiler rejects: not a candidate
+                    logger.debug("decode gemv config %s failed on %s: %s", cfg, key, e)
+            del copies
+            if times:
+                self.configs[key] = min(times, key=times.get)
+                self.timings[key] = times
+        logger.info("decode gemv: tuned %d shapes (pdl=%s)", len(self.configs), self.pdl)
+
+
+def install(model, mode: str) -> Optional[DecodeGemv]:
+    """mode (envs.decode_gemv) "on" / "nopdl": tune the kernel for every projection of the
+    model's one-token forward and route those forwards through it; "off": nothing (None)."""
+    if mode == "off" or not HAS_TRITON:
+        return None
+    device = next(model.parameters()).device
+    table = DecodeGemv(pdl=(mode == "on" and pdl_supported(device)))
+    cases = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        first = layer is model.layers[0]
+        cases += [(RMSNORM if first else ADD_RMSNORM, attn.qkv_proj.weight, attn.qkv_proj.bias),
+                  (PLAIN, attn.o_proj.weight, attn.o_proj.bias),
+                  (ADD_RMSNORM, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias),
+                  (SILU_MUL, mlp.down_proj.weight, mlp.down_proj.bias)]
+    table.tune(cases)
+    model.one_token_gemv = table
+    return table

@@ -1,0 +1,190 @@
+"""GPU tests for backend_lib/layers/decode_gemv.py: the one-token projection kernel with each
+prologue (plain, RMSNorm, add + RMSNorm, silu * mul) against the unfused torch ops on random
+inputs (poisoned outputs, relative error bounds per dtype), with and without PDL, inside a
+CUDA graph, and after start-up tuning.
+
+Run: python3 -m pytest -q tests/gpu/test_decode_gemv.py
+Also runs on CPU under Triton's interpreter (slow, small shapes):
+     TRITON_INTERPRET=1 DECODE_GEMV_ON_CPU=1 python -m pytest -q tests/gpu/test_decode_gemv.py
+Seed: DECODE_GEMV_TEST_SEED reproduces one run. Speed is in bench/kernels.py, not asserted here.
+"""
+import os
+
+import pytest
+
+from gpu_helpers import GPU_MARKS, seed_from_env, torch
+
+_ON_CPU = os.environ.get("DECODE_GEMV_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+if _ON_CPU:
+    pytest.importorskip("triton")
+    pytestmark = []  # opted in by the two variables above
+    DEVICE = "cpu"
+    # (N, K, bias): N not a multiple of any BLOCK_N, K not a multiple of any BLOCK_K
+    SHAPES = [(40, 96, True), (17, 1030, False)]
+    DTYPES = [torch.float32]
+else:
+    pytestmark = GPU_MARKS
+    DEVICE = "cuda"
+    # the Qwen2.5-0.5B and Llama-3-8B projections, plus odd sizes
+    SHAPES = [(1152, 896, True), (896, 896, False), (9728, 896, False), (896, 4864, False),
+              (6144, 4096, False), (4096, 14336, False), (1000, 300, True), (17, 1030, True)]
+    DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+POISON = 12345.0
+
+
+def _dg():
+    from backend_lib.layers import decode_gemv
+    return decode_gemv
+
+
+def _rel(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def _case(n, k, bias, dtype, prologue):
+    dg = _dg()
+    width = 2 * k if prologue == dg.SILU_MUL else k
+    x = torch.randn(1, width, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    b = (torch.randn(n, device=DEVICE) * 0.1).to(dtype) if bias else None
+    res = torch.randn(1, k, device=DEVICE).to(dtype)
+    ln = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
+    return x, w, b, res, ln
+
+
+PROLOGUES = ["PLAIN", "RMSNORM", "ADD_RMSNORM", "SILU_MUL"]
+
+
+@pytest.mark.parametrize("prologue_name", PROLOGUES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k,bias", SHAPES)
+def test_matches_unfused_ops(n, k, bias, dtype, prologue_name):
+    dg = _dg()
+    seed = seed_from_env("DECODE_GEMV_TEST_SEED")
+    prologue = getattr(dg, prologue_name)
+    x, w, b, res, ln = _case(n, k, bias, dtype, prologue)
+    ref, ref_res = dg.gemv_ref(x, w, b, prologue=prologue, residual=res, ln_weight=ln, eps=1e-6)
+    configs = dg.CANDIDATES if DEVICE == "cuda" else (dg.GemvConfig(4, 32, 1), dg.GemvConfig(16, 64, 2))
+    for cfg in configs:
+        for pdl in ([False, True] if dg.pdl_supported(torch.device(DEVICE)) else [False]):
+            out = torch.full((1, n), POISON, dtype=dtype, device=DEVICE)
+            res_out = torch.full((1, k), POISON, dtype=dtype, device=DEVICE)
+            y, new_res = dg.gemv(x, w, b, prologue=prologue, residual=res, ln_weight=ln, eps=1e-6,
+                                 cfg=cfg, pdl=pdl, out=out, residual_out=res_out)
+            assert y.data_ptr() == out.data_ptr()
+            assert _rel(y, ref) < TOL[dtype], (seed, cfg, pdl, _rel(y, ref))
+            if prologue == dg.ADD_RMSNORM:
+                # the new stream is exactly x + residual in the stream dtype
+                assert torch.equal(new_res, ref_res), (seed, cfg, pdl)
+            else:
+                assert new_res is None
+                assert torch.all(res_out == POISON)
+
+
+def test_norm_input_is_rounded_like_hf():
+    """The normalized row is rounded to the activation dtype before the products, as the
+    unfused rms_norm's output is: with W = identity rows, y equals rms_norm(x) exactly."""
+    dg = _dg()
+    seed_from_env("DECODE_GEMV_TEST_SEED")
+    k = 64
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    res = torch.randn(1, k, device=DEVICE).to(dtype)
+    ln = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
+    eye = torch.eye(k, device=DEVICE).to(dtype)
+    y, new_res = dg.gemv(x, eye, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln, eps=1e-6,
+                         cfg=dg.GemvConfig(8, 32, 1))
+    from backend_lib.layers.fused_ops import fused_add_rms_norm_ref
+    normed, stream = fused_add_rms_norm_ref(x, res, ln, 1e-6)
+    assert torch.equal(new_res, stream)
+    assert torch.equal(y, normed)
+
+
+def test_rejects_bad_shapes_with_the_field_named():
+    dg = _dg()
+    w = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="needs 32"):
+        dg.gemv(torch.zeros(1, 16, device=DEVICE), w, prologue=dg.SILU_MUL)
+    with pytest.raises(ValueError, match="not supported"):
+        dg.gemv(torch.zeros(2, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match="ln_weight"):
+        dg.gemv(torch.zeros(1, 16, device=DEVICE), w, prologue=dg.RMSNORM)
+    with pytest.raises(ValueError, match="residual"):
+        dg.gemv(torch.zeros(1, 16, device=DEVICE), w, prologue=dg.ADD_RMSNORM,
+                ln_weight=torch.ones(16, device=DEVICE))
+
+
+@pytest.mark.skipif(_ON_CPU, reason="CUDA graphs")
+def test_pdl_chain_in_a_cuda_graph():
+    """A layer's chain (add+norm -> qkv, plain o, add+norm -> gate_up, silu*mul -> down) of
+    PDL launches captured in one graph and replayed gives the eager unfused result: every
+    kernel reads its inputs only after the previous one's writes are visible."""
+    dg = _dg()
+    seed = seed_from_env("DECODE_GEMV_TEST_SEED")
+    dtype, hidden, inter = torch.bfloat16, 896, 4864
+    mk = lambda n, k: (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    w_qkv, w_o, w_gu, w_down = mk(1152, hidden), mk(hidden, 1152), mk(2 * inter, hidden), mk(hidden, inter)
+    ln1 = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    ln2 = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    h = torch.randn(1, hidden, device=DEVICE).to(dtype)
+    r = torch.randn(1, hidden, device=DEVICE).to(dtype)
+    pdl = dg.pdl_supported(h.device)
+
+    def layer(h, r, fused):
+        for _ in range(4):  # four layers deep, each reading the last one's stream
+            if fused:
+                qkv, r = dg.gemv(h, w_qkv, prologue=dg.ADD_RMSNORM, residual=r, ln_weight=ln1, pdl=pdl)
+                o, _ = dg.gemv(qkv[:, :hidden].contiguous(), w_o[:, :hidden].contiguous(), pdl=pdl)
+                gu, r = dg.gemv(o, w_gu, prologue=dg.ADD_RMSNORM, residual=r, ln_weight=ln2, pdl=pdl)
+                h, _ = dg.gemv(gu, w_down, prologue=dg.SILU_MUL, pdl=pdl)
+            else:
+                qkv, r = dg.gemv_ref(h, w_qkv, prologue=dg.ADD_RMSNORM, residual=r, ln_weight=ln1)
+                o, _ = dg.gemv_ref(qkv[:, :hidden], w_o[:, :hidden])
+                gu, r = dg.gemv_ref(o, w_gu, prologue=dg.ADD_RMSNORM, residual=r, ln_weight=ln2)
+                h, _ = dg.gemv_ref(gu, w_down, prologue=dg.SILU_MUL)
+        return h, r
+
+    ref_h, ref_r = layer(h, r, fused=False)
+    layer(h, r, fused=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_h, out_r = layer(h, r, fused=True)
+    for _ in range(3):
+        out_h.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(out_h, ref_h) < 5e-2, (seed, _rel(out_h, ref_h))
+        assert _rel(out_r, ref_r) < 5e-2, (seed, _rel(out_r, ref_r))
+
+
+@pytest.mark.skipif(_ON_CPU, reason="timing needs CUDA graphs")
+def test_tune_picks_a_candidate_per_shape():
+    dg = _dg()
+    table = dg.DecodeGemv(pdl=dg.pdl_supported(torch.device(DEVICE)))
+    w = (torch.randn(1152, 896, device=DEVICE) * 0.05).to(torch.bfloat16)
+    table.tune([(dg.ADD_RMSNORM, w, None), (dg.PLAIN, w, None)])
+    assert set(table.configs) == {(dg.ADD_RMSNORM, 1152, 896, False), (dg.PLAIN, 1152, 896, False)}
+    for key, cfg in table.configs.items():
+        assert cfg in dg.CANDIDATES
+        assert table.timings[key][cfg] == min(table.timings[key].values())
+
+
+@pytest.mark.skipif(_ON_CPU, reason="compiled PTX")
+def test_pdl_kernel_waits_and_releases_its_dependents():
+    """With PDL the compiled kernel holds both grid-dependency instructions: the wait before
+    activations are read, and the early release of the next kernel (a pure inline asm the
+    compiler could drop as dead code)."""
+    dg = _dg()
+    if not dg.pdl_supported(torch.device(DEVICE)):
+        pytest.skip("PDL needs compute capability 9.0")
+    x = torch.randn(1, 256, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(64, 256, device=DEVICE, dtype=torch.bfloat16)
+    y = torch.empty(1, 64, device=DEVICE, dtype=torch.bfloat16)
+    compiled = dg._gemv_kernel[(8,)](x, x, x, w, w, y, y, 64, 256, 1e-6, w.stride(0),
+                                     PROLOGUE=dg.PLAIN, HAS_BIAS=False, USE_PDL=True,
+                                     BLOCK_N=8, BLOCK_K=256, num_warps=4, launch_pdl=True)
+    ptx = compiled.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx
+    assert "griddepcontrol.launch_dependents" in ptx
