@@ -65,21 +65,26 @@ def test_matches_unfused_ops(n, k, bias, dtype, prologue_name):
     prologue = getattr(dg, prologue_name)
     x, w, b, res, ln = _case(n, k, bias, dtype, prologue)
     ref, ref_res = dg.gemv_ref(x, w, b, prologue=prologue, residual=res, ln_weight=ln, eps=1e-6)
-    configs = dg.CANDIDATES if DEVICE == "cuda" else (dg.GemvConfig(4, 32, 1), dg.GemvConfig(16, 64, 2))
-    for cfg in configs:
-        for pdl in ([False, True] if dg.pdl_supported(torch.device(DEVICE)) else [False]):
-            out = torch.full((1, n), POISON, dtype=dtype, device=DEVICE)
-            res_out = torch.full((1, k), POISON, dtype=dtype, device=DEVICE)
-            y, new_res = dg.gemv(x, w, b, prologue=prologue, residual=res, ln_weight=ln, eps=1e-6,
-                                 cfg=cfg, pdl=pdl, out=out, residual_out=res_out)
-            assert y.data_ptr() == out.data_ptr()
-            assert _rel(y, ref) < TOL[dtype], (seed, cfg, pdl, _rel(y, ref))
-            if prologue == dg.ADD_RMSNORM:
-                # the new stream is exactly x + residual in the stream dtype
-                assert torch.equal(new_res, ref_res), (seed, cfg, pdl)
-            else:
-                assert new_res is None
-                assert torch.all(res_out == POISON)
+    pdl_ok = dg.pdl_supported(torch.device(DEVICE))
+    if DEVICE == "cpu":
+        runs = [(dg.GemvConfig(4, 32, 1), False), (dg.GemvConfig(16, 64, 2), False)]
+    elif dtype == torch.bfloat16:  # the models' dtype: every candidate, launched as the model does
+        runs = [(c, pdl_ok) for c in dg.CANDIDATES] + [(dg.DEFAULT_CONFIG, False)]
+    else:
+        runs = [(dg.DEFAULT_CONFIG, pdl_ok)]
+    for cfg, pdl in runs:
+        out = torch.full((1, n), POISON, dtype=dtype, device=DEVICE)
+        res_out = torch.full((1, k), POISON, dtype=dtype, device=DEVICE)
+        y, new_res = dg.gemv(x, w, b, prologue=prologue, residual=res, ln_weight=ln, eps=1e-6,
+                             cfg=cfg, pdl=pdl, out=out, residual_out=res_out)
+        assert y.data_ptr() == out.data_ptr()
+        assert _rel(y, ref) < TOL[dtype], (seed, cfg, pdl, _rel(y, ref))
+        if prologue == dg.ADD_RMSNORM:
+            # the new stream is exactly x + residual in the stream dtype
+            assert torch.equal(new_res, ref_res), (seed, cfg, pdl)
+        else:
+            assert new_res is None
+            assert torch.all(res_out == POISON)
 
 
 def test_norm_input_is_rounded_like_hf():
