@@ -56,6 +56,11 @@ CANDIDATES = (GemvConfig(4, 1024, 4), GemvConfig(8, 1024, 4), GemvConfig(8, 512,
 
 
 if HAS_TRITON:
+    # The prologue codes as the kernels see them (a jit function reads only constexpr globals).
+    _K_RMSNORM = tl.constexpr(RMSNORM)
+    _K_ADD_RMSNORM = tl.constexpr(ADD_RMSNORM)
+    _K_SILU_MUL = tl.constexpr(SILU_MUL)
+
     @triton.jit
     def _stream_chunk(X, R, offs, mask, HAS_RES: tl.constexpr, DT: tl.constexpr):
         """The residual stream's values at offs, fp32: x, or x + residual rounded to DT the
@@ -82,8 +87,8 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
 
-        HAS_RES: tl.constexpr = PROLOGUE == ADD_RMSNORM
-        NORM: tl.constexpr = (PROLOGUE == RMSNORM) or (PROLOGUE == ADD_RMSNORM)
+        HAS_RES: tl.constexpr = PROLOGUE == _K_ADD_RMSNORM
+        NORM: tl.constexpr = (PROLOGUE == _K_RMSNORM) or (PROLOGUE == _K_ADD_RMSNORM)
         rstd = 0.0
         if NORM:
             ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -109,7 +114,7 @@ if HAS_TRITON:
                 s = _stream_chunk(X, R, offs, mask, HAS_RES, DT)
                 ln = tl.load(LNW + offs, mask=mask, other=0.0).to(tl.float32)
                 x = ((s * rstd).to(DT).to(tl.float32) * ln).to(DT).to(tl.float32)
-            elif PROLOGUE == SILU_MUL:
+            elif PROLOGUE == _K_SILU_MUL:
                 g = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
                 u = tl.load(X + K + offs, mask=mask, other=0.0).to(tl.float32)
                 x = ((g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u).to(DT).to(tl.float32)
