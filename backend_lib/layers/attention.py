@@ -35,11 +35,13 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, pdl: bool = False):
+    """pdl: the decode kernels launch with programmatic dependent launch (one-token forwards)."""
     if q.is_cuda:
         from . import triton_attention as ta
         if meta.is_decode:
-            return ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                             pdl=pdl)
         return ta.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                           meta.block_tables, scale, meta.max_q_len)
     if meta.is_decode and len(meta.seq_lens_host) > 1:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
+from .triton_support import pdl_launch, pdl_supported  # noqa: F401 - pdl_supported: callers' check
 
 logger = logging.getLogger(__name__)
 
@@ -126,12 +127,6 @@ if HAS_TRITON:
         tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
-    return (HAS_TRITON and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (HAS_TRITON and (x.is_cuda or _INTERPRET) and x.dim() == 2 and x.shape[0] == 1
             and w.dim() == 2 and w.stride(1) == 1 and x.is_contiguous() and x.dtype == w.dtype)
@@ -162,13 +157,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     new_res = None
     if prologue == ADD_RMSNORM:
         new_res = torch.empty_like(x) if residual_out is None else residual_out
-    extra = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
         w, b if b is not None else w, y, new_res if new_res is not None else y,
         n, k, eps, w.stride(0),
         PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **extra)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **pdl_launch(pdl))
     return y, new_res
 
 

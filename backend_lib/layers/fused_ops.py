@@ -29,6 +29,7 @@ import torch
 
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
+from .triton_support import pdl_launch
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope_and_write_kv",
            "available", "HAS_TRITON"]
@@ -104,8 +105,11 @@ if HAS_TRITON:
         eps,
         HQ: tl.constexpr, HKV: tl.constexpr, BH_Q: tl.constexpr, BH_KV: tl.constexpr,
         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BHALF: tl.constexpr,
-        QK_NORM: tl.constexpr,
+        QK_NORM: tl.constexpr, USE_PDL: tl.constexpr = False,
     ):
+        if USE_PDL:  # launched with PDL: release the next kernel, then wait for the last one
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         DT = Q.dtype.element_ty
         offs = tl.arange(0, BHALF)
@@ -243,9 +247,11 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       q_norm_weight: Optional[torch.Tensor] = None,
-                      k_norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
+                      k_norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                      pdl: bool = False) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] (strided views are fine if the last dim is contiguous).
-    Returns q rotated (in place on the Triton path, a new tensor on the reference path)."""
+    Returns q rotated (in place on the Triton path, a new tensor on the reference path).
+    pdl: launched with programmatic dependent launch (one-token forwards)."""
     if not _use_triton(q):
         return rope_and_write_kv_ref(q, k, v, cos_cache, sin_cache, positions, k_cache, v_cache,
                                      slot_mapping, q_norm_weight, k_norm_weight, eps)
@@ -265,6 +271,6 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cos_cache.stride(0), eps,
             HQ=hq, HKV=hkv, BH_Q=triton.next_power_of_2(hq), BH_KV=triton.next_power_of_2(hkv),
             HEAD_DIM=d, HALF=half, BHALF=triton.next_power_of_2(half), QK_NORM=qk_norm,
-            num_warps=4 if hq * d <= 4096 else 8,
+            USE_PDL=pdl, num_warps=4 if hq * d <= 4096 else 8, **pdl_launch(pdl),
         )
     return q

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .triton_support import num_sms
+from .triton_support import num_sms, pdl_launch
 
 try:  # Triton is optional at import time (CPU-only CI machines).
     import triton
@@ -83,7 +83,11 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,      # tokens per KV tile
         SPLIT: tl.constexpr,        # num_splits > 1: write partials for the reduce kernel
         DOT_PREC: tl.constexpr,
+        USE_PDL: tl.constexpr = False,  # launched with PDL: release the next kernel, then wait
     ):
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -158,7 +162,11 @@ if HAS_TRITON:
         DP: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SP: tl.constexpr,           # num_splits padded to power of 2
+        USE_PDL: tl.constexpr = False,
     ):
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         seq_len = tl.load(SL + b)
@@ -382,6 +390,7 @@ def paged_decode_attention(
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: Optional[int] = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Single-token-per-sequence paged attention.
 
@@ -390,7 +399,8 @@ def paged_decode_attention(
     current one; 0 = padding row -> zeros).  Returns out [B, Hq, D] (dtype of q).
 
     ``num_splits``/``block_n``/``num_warps``/``num_stages`` are tuning overrides; the
-    defaults depend only on shapes, so the call is CUDA-graph capturable.
+    defaults depend only on shapes, so the call is CUDA-graph capturable. pdl: launch both
+    kernels with programmatic dependent launch (layers/decode_gemv.py explains the chain).
     """
     page, hkv, d, hq, g = _check_common(q, k_cache, v_cache)
     bsz = q.shape[0]
@@ -434,8 +444,8 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         num_splits,
         G=g, GP=gp, D=d, DP=dp, PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        DOT_PREC=_dot_prec(k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(bsz, hq)](
@@ -443,8 +453,8 @@ def paged_decode_attention(
             out.stride(0), out.stride(1),
             hq, num_splits,
             D=d, DP=dp, BLOCK_N=block_n,
-            SP=max(2, _next_pow2(num_splits)),
-            num_warps=4 if dp * _next_pow2(num_splits) >= 4096 else 2,
+            SP=max(2, _next_pow2(num_splits)), USE_PDL=pdl,
+            num_warps=4 if dp * _next_pow2(num_splits) >= 4096 else 2, **pdl_launch(pdl),
         )
     return out
 

@@ -34,3 +34,14 @@ def num_sms(device: torch.device) -> int:
         return 132
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return _num_sms_cuda(idx)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel starts while the one before it runs, and waits
+    in-kernel with griddepcontrol.wait) needs compute capability 9.0 (Hopper) or newer."""
+    return HAS_TRITON and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """A Triton launch's extra keyword arguments: launched with PDL, or plainly."""
+    return {"launch_pdl": True} if pdl else {}

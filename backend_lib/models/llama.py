@@ -112,8 +112,9 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def attend(self, qkv, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
-               fused: bool = False):
-        """qkv projection's output -> attention output [T, q_size], before o_proj."""
+               fused: bool = False, pdl: bool = False):
+        """qkv projection's output -> attention output [T, q_size], before o_proj. pdl: the
+        fused kernels launch with programmatic dependent launch (layers/decode_gemv.py)."""
         s = self.s
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
@@ -123,13 +124,14 @@ class Attention(nn.Module):
         if fused:  # one kernel: [q/k norm,] rotary (q in place), K/V into the paged cache
             qn, kn = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
             q = fused_ops.rope_and_write_kv(q, k, v, rotary.cos_cache, rotary.sin_cache, positions,
-                                            k_cache, v_cache, meta.slot_mapping, qn, kn, s.rms_norm_eps)
+                                            k_cache, v_cache, meta.slot_mapping, qn, kn, s.rms_norm_eps,
+                                            pdl=pdl)
         else:
             if s.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, pdl=pdl)
         return out.reshape(-1, self.q_size)
 
 
@@ -181,7 +183,7 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = gemv.run(h, attn.qkv_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln1.weight, ln1.eps)
-        o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True)
+        o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True, pdl=gemv.pdl)
         h, _ = gemv.run(o.contiguous(), attn.o_proj)
         gate_up, residual = gemv.run(h, mlp.gate_up_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln2.weight, ln2.eps)
