@@ -58,8 +58,9 @@ def skinny_gemm() -> str:
 
 # One-token forwards (batch-1 decode) on CUDA (backend_lib/layers/decode_gemv.py): each
 # projection one kernel with the add + norm or silu * mul before it folded in, launched with
-# programmatic dependent launch where the GPU has it (Hopper). on (PDL where supported),
-# nopdl (the same kernels, plain launches), off (the batched path at every size).
+# programmatic dependent launch where the GPU has it (Hopper). on (PDL where supported, and
+# the rope + KV-cache write in the q/k/v projection's epilogue), pdl (PDL, rope its own kernel),
+# nopdl (the kernels of pdl, plain launches), off (the batched path at every size).
 DECODE_GEMV_ENV = "BACKEND_LIB_DECODE_GEMV"
 
 
@@ -69,9 +70,9 @@ def decode_gemv() -> str:
         return "off"
     if v in ("", "1", "on", "true", "yes"):
         return "on"
-    if v == "nopdl":
-        return "nopdl"
-    raise ValueError(f"{DECODE_GEMV_ENV}={v!r}: must be off, on or nopdl")
+    if v in ("pdl", "nopdl"):
+        return v
+    raise ValueError(f"{DECODE_GEMV_ENV}={v!r}: must be off, on, pdl or nopdl")
 
 
 # Sampling kernels on CUDA: split (the default: each row spread across many programs,

@@ -72,13 +72,58 @@ if HAS_TRITON:
         return s
 
     @triton.jit
+    def _rope_kv_epilogue(y, pid, Y, COS, SIN, POS, KC, VC, SLOT, stride_cos, N,
+                          DT: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr,
+                          HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+        """y: this program's outputs (fp32, rounded to DT), pairs (j, j + HALF) of a head
+        interleaved. Rotates q and k heads (neox rotate_half, as fused_ops' rope kernel
+        rounds), stores q/k/v into Y and the rotated k and v into the paged cache."""
+        BH: tl.constexpr = BLOCK_N // 2
+        xa, xb = tl.split(tl.reshape(y, [BH, 2]))
+        f = pid * BH + tl.arange(0, BH)              # index among the heads' first halves
+        f_mask = f < N // 2
+        head = f // HALF
+        j = f % HALF
+        pos = tl.load(POS).to(tl.int64)
+        c1 = tl.load(COS + pos * stride_cos + j).to(DT).to(tl.float32)
+        c2 = tl.load(COS + pos * stride_cos + HALF + j).to(DT).to(tl.float32)
+        s1 = tl.load(SIN + pos * stride_cos + j).to(DT).to(tl.float32)
+        s2 = tl.load(SIN + pos * stride_cos + HALF + j).to(DT).to(tl.float32)
+        rotate = head < HQ + HKV
+        oa = tl.where(rotate, xa * c1 - xb * s1, xa).to(DT)
+        ob = tl.where(rotate, xb * c2 + xa * s2, xb).to(DT)
+        col = head * HEAD_DIM + j
+        tl.store(Y + col, oa, mask=f_mask)
+        tl.store(Y + col + HALF, ob, mask=f_mask)
+        slot = tl.load(SLOT).to(tl.int64)
+        if slot >= 0:
+            is_k = f_mask & (head >= HQ) & (head < HQ + HKV)
+            is_v = f_mask & (head >= HQ + HKV)
+            kv_head = tl.where(head >= HQ + HKV, head - HQ - HKV, head - HQ)
+            cp = slot * (HKV * HEAD_DIM) + kv_head * HEAD_DIM + j
+            tl.store(KC + cp, oa.to(KC.dtype.element_ty), mask=is_k)
+            tl.store(KC + cp + HALF, ob.to(KC.dtype.element_ty), mask=is_k)
+            tl.store(VC + cp, oa.to(VC.dtype.element_ty), mask=is_v)
+            tl.store(VC + cp + HALF, ob.to(VC.dtype.element_ty), mask=is_v)
+
+    @triton.jit
     def _gemv_kernel(X, R, LNW, W, B, Y, ROUT, N, K, eps, stride_wn,
+                     COS, SIN, POS, KC, VC, SLOT, stride_cos,
                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROPE: tl.constexpr = False,
+                     HQ: tl.constexpr = 0, HKV: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2,
+                     HALF: tl.constexpr = 1):
         pid = tl.program_id(0)
         DT = X.dtype.element_ty
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+        lane = tl.arange(0, BLOCK_N)
+        if ROPE:
+            # Lanes 2i and 2i + 1 own columns j and j + HALF of one head: the rotation's pair.
+            f = pid * (BLOCK_N // 2) + lane // 2
+            offs_n = (f // HALF) * HEAD_DIM + f % HALF + (lane % 2) * HALF
+            n_mask = f < N // 2
+        else:
+            offs_n = pid * BLOCK_N + lane
+            n_mask = offs_n < N
         offs_kb = tl.arange(0, BLOCK_K)
         w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
         # The first weight tile does not depend on earlier kernels: in flight before the wait.
@@ -124,7 +169,11 @@ if HAS_TRITON:
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
+        if ROPE:
+            _rope_kv_epilogue(acc.to(DT).to(tl.float32), pid, Y, COS, SIN, POS, KC, VC, SLOT,
+                              stride_cos, N, DT, BLOCK_N, HQ, HKV, HEAD_DIM, HALF)
+        else:
+            tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -132,14 +181,32 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.dim() == 2 and w.stride(1) == 1 and x.is_contiguous() and x.dtype == w.dtype)
 
 
+@dataclass(frozen=True)
+class RopeKV:
+    """The q/k/v projection's epilogue: y's columns are [q heads | k heads | v heads] of
+    head_dim each; q and k are rotated at `positions` (neox rotate_half over the whole head,
+    cos/sin caches [max_pos, head_dim] fp32) and k, v written to the paged cache at
+    `slot_mapping` (cache [blocks, block_size, num_kv_heads, head_dim]; slot < 0: no write)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
          prologue: int = PLAIN, residual: Optional[torch.Tensor] = None,
          ln_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-         cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False,
+         cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False, rope: Optional[RopeKV] = None,
          out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None
          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x [1, K] (SILU_MUL: [1, 2K]) -> (y [1, N], new residual or None). ADD_RMSNORM returns
-    x + residual as the new residual (into residual_out when given: the tests poison it)."""
+    x + residual as the new residual (into residual_out when given: the tests poison it).
+    rope: y is q/k/v, rotated, and k/v also land in the cache (RopeKV)."""
     if not supported(x, w):
         raise ValueError(f"decode_gemv: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          "not supported (one contiguous row, w's rows contiguous, one dtype, Triton)")
@@ -153,6 +220,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     if prologue == ADD_RMSNORM and (residual is None or residual.shape != x.shape
                                     or not residual.is_contiguous()):
         raise ValueError("decode_gemv: ADD_RMSNORM needs a contiguous residual shaped like x")
+    rope_args, rope_meta = (x,) * 6 + (0,), {}
+    if rope is not None:
+        d = rope.head_dim
+        if n != (rope.num_heads + 2 * rope.num_kv_heads) * d or d % 2 or cfg.block_n % 2:
+            raise ValueError(f"decode_gemv: rope needs N = (heads + 2 kv heads) x head_dim = "
+                             f"{(rope.num_heads + 2 * rope.num_kv_heads) * d} (got {n}), an even "
+                             f"head_dim ({d}) and an even block_n ({cfg.block_n})")
+        if not (rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
+                and rope.cos.stride(-1) == 1 and rope.sin.stride() == rope.cos.stride()):
+            raise ValueError("decode_gemv: rope needs contiguous caches and cos/sin rows")
+        rope_args = (rope.cos, rope.sin, rope.positions, rope.k_cache, rope.v_cache,
+                     rope.slot_mapping, rope.cos.stride(0))
+        rope_meta = dict(ROPE=True, HQ=rope.num_heads, HKV=rope.num_kv_heads, HEAD_DIM=d,
+                         HALF=d // 2)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
     new_res = None
     if prologue == ADD_RMSNORM:
@@ -160,9 +241,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
         w, b if b is not None else w, y, new_res if new_res is not None else y,
-        n, k, eps, w.stride(0),
+        n, k, eps, w.stride(0), *rope_args,
         PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **pdl_launch(pdl))
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **rope_meta,
+        **pdl_launch(pdl))
     return y, new_res
 
 
@@ -187,6 +269,19 @@ def gemv_ref(x, w, b=None, *, prologue=PLAIN, residual=None, ln_weight=None, eps
     return F.linear(x, w, b), new_res
 
 
+def gemv_rope_ref(x, w, b, rope: RopeKV, **prologue):
+    """The unfused q/k/v projection, rope and cache write: (q rotated [1, Hq * D], v [1, Hkv * D],
+    k_cache, v_cache (written copies of rope's caches), new residual or None)."""
+    from .fused_ops import rope_and_write_kv_ref
+    y, new_res = gemv_ref(x, w, b, **prologue)
+    hq, hkv, d = rope.num_heads, rope.num_kv_heads, rope.head_dim
+    q, k, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)
+    k_cache, v_cache = rope.k_cache.clone(), rope.v_cache.clone()
+    q = rope_and_write_kv_ref(q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), rope.cos,
+                              rope.sin, rope.positions, k_cache, v_cache, rope.slot_mapping)
+    return q.reshape(1, -1), v, k_cache, v_cache, new_res
+
+
 # ----------------------------------------------------------------------------------
 # The model's use: per-shape configurations, measured at start-up
 # ----------------------------------------------------------------------------------
@@ -197,14 +292,16 @@ class DecodeGemv:
     a CUDA graph; an untuned shape runs DEFAULT_CONFIG."""
 
     pdl: bool = False
+    rope: bool = False  # the q/k/v projection also rotates and writes the KV cache (RopeKV)
     configs: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
 
-    def run(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6):
+    def run(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
+            rope: Optional[RopeKV] = None):
         key = (prologue, proj.weight.shape[0], proj.weight.shape[1], proj.bias is not None)
         return gemv(x, proj.weight, proj.bias, prologue=prologue, residual=residual,
                     ln_weight=ln_weight, eps=eps, cfg=self.configs.get(key, DEFAULT_CONFIG),
-                    pdl=self.pdl)
+                    pdl=self.pdl, rope=rope)
 
     def tune(self, cases: list[tuple[int, torch.Tensor, Optional[torch.Tensor]]]) -> None:
         """cases: (prologue, weight, bias) the model runs. Each candidate is timed as 50
@@ -236,12 +333,14 @@ class DecodeGemv:
 
 
 def install(model, mode: str) -> Optional[DecodeGemv]:
-    """mode (envs.decode_gemv) "on" / "nopdl": tune the kernel for every projection of the
-    model's one-token forward and route those forwards through it; "off": nothing (None)."""
+    """mode (envs.decode_gemv): "on" (PDL where supported, rope + KV write in the q/k/v
+    projection), "pdl" (PDL, rope a kernel of its own), "nopdl" (neither): tune the kernel for
+    every projection of the model's one-token forward and route those forwards through it;
+    "off": nothing (None)."""
     if mode == "off" or not HAS_TRITON:
         return None
     device = next(model.parameters()).device
-    table = DecodeGemv(pdl=(mode == "on" and pdl_supported(device)))
+    table = DecodeGemv(pdl=(mode in ("on", "pdl") and pdl_supported(device)), rope=(mode == "on"))
     cases = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp

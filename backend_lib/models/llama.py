@@ -176,14 +176,23 @@ class DecoderLayer(nn.Module):
         """forward_fused for a single token: each projection is one kernel that also runs the
         op feeding it (add + norm, silu * mul), launched with PDL (layers/decode_gemv.py)."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        attn, mlp = self.self_attn, self.mlp
+        attn, mlp, s = self.self_attn, self.mlp, self.self_attn.s
+        # Qwen3's per-head q/k norm needs whole heads: its rope stays a kernel of its own.
+        rope = None
+        if gemv.rope and not s.qk_norm:
+            rope = decode_gemv.RopeKV(rotary.cos_cache, rotary.sin_cache, positions, *kv_cache,
+                                      meta.slot_mapping, s.num_heads, s.num_kv_heads, s.head_dim)
         if residual is None:
-            qkv, _ = gemv.run(h, attn.qkv_proj, decode_gemv.RMSNORM, None, ln1.weight, ln1.eps)
+            qkv, _ = gemv.run(h, attn.qkv_proj, decode_gemv.RMSNORM, None, ln1.weight, ln1.eps, rope)
             residual = h
         else:
             qkv, residual = gemv.run(h, attn.qkv_proj, decode_gemv.ADD_RMSNORM, residual,
-                                     ln1.weight, ln1.eps)
-        o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True, pdl=gemv.pdl)
+                                     ln1.weight, ln1.eps, rope)
+        if rope is None:
+            o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True, pdl=gemv.pdl)
+        else:
+            q = qkv[:, :attn.q_size].view(-1, s.num_heads, s.head_dim)
+            o = paged_attention(q, *kv_cache, meta, attn.scale, pdl=gemv.pdl).reshape(-1, attn.q_size)
         h, _ = gemv.run(o.contiguous(), attn.o_proj)
         gate_up, residual = gemv.run(h, mlp.gate_up_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln2.weight, ln2.eps)

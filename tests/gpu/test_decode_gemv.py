@@ -194,3 +194,65 @@ def test_pdl_kernel_waits_and_releases_its_dependents():
     ptx = compiled.asm["ptx"]
     assert "griddepcontrol.wait" in ptx
     assert "griddepcontrol.launch_dependents" in ptx
+
+
+ROPE_SHAPES = ([(3, 1, 16, True), (4, 2, 32, False)] if _ON_CPU
+               else [(14, 2, 64, True), (32, 8, 128, False), (3, 1, 16, True)])
+
+
+def _rope_case(hq, hkv, d, bias, dtype, slot):
+    dg = _dg()
+    k = 96 if _ON_CPU else 896
+    n = (hq + 2 * hkv) * d
+    x, w, b, res, ln = _case(n, k, bias, dtype, dg.ADD_RMSNORM)
+    max_pos, blocks, bs = 64, 4, 16
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))
+    ang = torch.arange(max_pos, device=DEVICE).float()[:, None] * inv[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    caches = [torch.full((blocks, bs, hkv, d), POISON, dtype=dtype, device=DEVICE) for _ in range(2)]
+    rope = dg.RopeKV(cos=emb.cos(), sin=emb.sin(), positions=torch.tensor([37], device=DEVICE),
+                     k_cache=caches[0], v_cache=caches[1],
+                     slot_mapping=torch.tensor([slot], device=DEVICE), num_heads=hq,
+                     num_kv_heads=hkv, head_dim=d)
+    return x, w, b, res, ln, rope
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1], ids=str)
+@pytest.mark.parametrize("hq,hkv,d,bias", ROPE_SHAPES)
+def test_rope_epilogue_matches_unfused_rope_and_cache_write(hq, hkv, d, bias, dtype):
+    """The q/k/v projection with the rope + KV-write epilogue: q rotated and v in y, rotated k
+    and v in the cache slot, every other cache entry untouched."""
+    dg = _dg()
+    seed = seed_from_env("DECODE_GEMV_TEST_SEED")
+    x, w, b, res, ln, rope = _rope_case(hq, hkv, d, bias, dtype, slot=21)
+    q_ref, v_ref, kc_ref, vc_ref, res_ref = dg.gemv_rope_ref(
+        x, w, b, rope, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln)
+    configs = dg.CANDIDATES if DEVICE == "cuda" else (dg.GemvConfig(4, 32, 1), dg.GemvConfig(16, 64, 2))
+    for cfg in configs:
+        rope.k_cache.fill_(POISON)
+        rope.v_cache.fill_(POISON)
+        y, new_res = dg.gemv(x, w, b, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln,
+                             rope=rope, cfg=cfg, pdl=dg.pdl_supported(torch.device(DEVICE)))
+        assert torch.equal(new_res, res_ref)
+        assert _rel(y[:, :hq * d], q_ref) < TOL[dtype], (seed, cfg)
+        assert _rel(y[:, (hq + hkv) * d:], v_ref) < TOL[dtype], (seed, cfg)
+        written = torch.zeros(rope.k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
+        written.view(-1)[21] = True
+        for got, ref in ((rope.k_cache, kc_ref), (rope.v_cache, vc_ref)):
+            assert torch.all(got[~written] == POISON)
+            assert _rel(got[written], ref[written]) < TOL[dtype], (seed, cfg)
+
+
+def test_rope_epilogue_skips_the_cache_for_a_negative_slot():
+    dg = _dg()
+    x, w, b, res, ln, rope = _rope_case(*ROPE_SHAPES[0], DTYPES[0], slot=-1)
+    y, _ = dg.gemv(x, w, b, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln, rope=rope)
+    assert torch.all(rope.k_cache == POISON) and torch.all(rope.v_cache == POISON)
+    assert torch.isfinite(y.float()).all()
+
+
+def test_rope_epilogue_rejects_a_projection_of_the_wrong_width():
+    dg = _dg()
+    x, w, b, res, ln, rope = _rope_case(*ROPE_SHAPES[0], DTYPES[0], slot=3)
+    with pytest.raises(ValueError, match="rope needs N"):
+        dg.gemv(x, w[:-2], None, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln, rope=rope)
