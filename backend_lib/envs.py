@@ -60,7 +60,8 @@ def skinny_gemm() -> str:
 # projection one kernel with the add + norm or silu * mul before it folded in, launched with
 # programmatic dependent launch where the GPU has it (Hopper). on (PDL where supported, and
 # the rope + KV-cache write in the q/k/v projection's epilogue), pdl (PDL, rope its own kernel),
-# nopdl (the kernels of pdl, plain launches), off (the batched path at every size).
+# implicit (on, but each projection releases the next kernel only as it exits), nopdl (the
+# kernels of pdl, plain launches), off (the batched path at every size).
 DECODE_GEMV_ENV = "BACKEND_LIB_DECODE_GEMV"
 
 
@@ -70,9 +71,9 @@ def decode_gemv() -> str:
         return "off"
     if v in ("", "1", "on", "true", "yes"):
         return "on"
-    if v in ("pdl", "nopdl"):
+    if v in ("implicit", "pdl", "nopdl"):
         return v
-    raise ValueError(f"{DECODE_GEMV_ENV}={v!r}: must be off, on, pdl or nopdl")
+    raise ValueError(f"{DECODE_GEMV_ENV}={v!r}: must be off, on, implicit, pdl or nopdl")
 
 
 # Sampling kernels on CUDA: split (the default: each row spread across many programs,

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
-from .triton_support import pdl_launch, pdl_supported  # noqa: F401 - pdl_supported: callers' check
+from .triton_support import pdl_launch, pdl_release_dependents, pdl_supported  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ if HAS_TRITON:
                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROPE: tl.constexpr = False,
                      HQ: tl.constexpr = 0, HKV: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2,
-                     HALF: tl.constexpr = 1):
+                     HALF: tl.constexpr = 1, EARLY_RELEASE: tl.constexpr = True):
         pid = tl.program_id(0)
         DT = X.dtype.element_ty
         lane = tl.arange(0, BLOCK_N)
@@ -130,7 +130,8 @@ if HAS_TRITON:
         w_next = tl.load(w_rows + offs_kb[None, :], mask=n_mask[:, None] & (offs_kb < K)[None, :],
                          other=0.0)
         if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
+            if EARLY_RELEASE:
+                pdl_release_dependents()
             tl.extra.cuda.gdc_wait()
 
         HAS_RES: tl.constexpr = PROLOGUE == _K_ADD_RMSNORM
@@ -202,11 +203,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
          prologue: int = PLAIN, residual: Optional[torch.Tensor] = None,
          ln_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
          cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False, rope: Optional[RopeKV] = None,
+         early_release: bool = True,
          out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None
          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x [1, K] (SILU_MUL: [1, 2K]) -> (y [1, N], new residual or None). ADD_RMSNORM returns
     x + residual as the new residual (into residual_out when given: the tests poison it).
-    rope: y is q/k/v, rotated, and k/v also land in the cache (RopeKV)."""
+    rope: y is q/k/v, rotated, and k/v also land in the cache (RopeKV). early_release (with
+    pdl): let the next kernel launch as this one starts, not only as it exits."""
     if not supported(x, w):
         raise ValueError(f"decode_gemv: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          "not supported (one contiguous row, w's rows contiguous, one dtype, Triton)")
@@ -242,7 +245,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
         x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
         w, b if b is not None else w, y, new_res if new_res is not None else y,
         n, k, eps, w.stride(0), *rope_args,
-        PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl,
+        PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **rope_meta,
         **pdl_launch(pdl))
     return y, new_res
@@ -289,19 +292,48 @@ def gemv_rope_ref(x, w, b, rope: RopeKV, **prologue):
 class DecodeGemv:
     """The configuration of each (prologue, N, K, bias) the model's one-token forward uses,
     and whether kernels launch with PDL. `tune` fills `configs` by timing candidates inside
-    a CUDA graph; an untuned shape runs DEFAULT_CONFIG."""
+    a CUDA graph against the unfused ops (the op's own kernel, then the projection through
+    cuBLAS); None: the unfused ops were faster and run instead. An untuned shape runs
+    DEFAULT_CONFIG."""
 
     pdl: bool = False
     rope: bool = False  # the q/k/v projection also rotates and writes the KV cache (RopeKV)
+    early_release: bool = True  # with pdl: the next kernel may launch as soon as this one starts
     configs: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
 
     def run(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
             rope: Optional[RopeKV] = None):
         key = (prologue, proj.weight.shape[0], proj.weight.shape[1], proj.bias is not None)
+        cfg = self.configs.get(key, DEFAULT_CONFIG)
+        if cfg is None:
+            return self.unfused(x, proj, prologue, residual, ln_weight, eps, rope)
         return gemv(x, proj.weight, proj.bias, prologue=prologue, residual=residual,
-                    ln_weight=ln_weight, eps=eps, cfg=self.configs.get(key, DEFAULT_CONFIG),
-                    pdl=self.pdl, rope=rope)
+                    ln_weight=ln_weight, eps=eps, cfg=cfg, pdl=self.pdl, rope=rope,
+                    early_release=self.early_release)
+
+    def unfused(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
+                rope: Optional[RopeKV] = None):
+        """What `run` computes, as the batched path does it: the op's kernel, the projection
+        (proj: an nn.Linear, or any callable(x)), then rope + the cache write."""
+        from . import fused_ops
+        new_res = None
+        if prologue == RMSNORM:
+            x = fused_ops.rms_norm(x, ln_weight, eps)
+        elif prologue == ADD_RMSNORM:
+            x, new_res = fused_ops.fused_add_rms_norm(x, residual, ln_weight, eps)
+        elif prologue == SILU_MUL:
+            x = fused_ops.silu_and_mul(x)
+        y = proj(x)
+        if rope is not None:
+            hq, hkv, d = rope.num_heads, rope.num_kv_heads, rope.head_dim
+            q, k, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = fused_ops.rope_and_write_kv(q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d),
+                                            rope.cos, rope.sin, rope.positions, rope.k_cache,
+                                            rope.v_cache, rope.slot_mapping, pdl=self.pdl)
+            if q.data_ptr() != y.data_ptr():  # the torch reference rotates out of place
+                y = torch.cat([q.reshape(1, -1), k, v], dim=-1)
+        return y, new_res
 
     def tune(self, cases: list[tuple[int, torch.Tensor, Optional[torch.Tensor]]]) -> None:
         """cases: (prologue, weight, bias) the model runs. Each candidate is timed as 50
@@ -316,31 +348,35 @@ class DecodeGemv:
             res = torch.randn_like(x)
             ln = torch.ones(k, dtype=w.dtype, device=w.device)
             copies = weight_copies(w, b)
-            times = {}
+            times = {None: time_linear_us(
+                lambda xx, ww, bb: self.unfused(xx, lambda t: F.linear(t, ww, bb), prologue, res, ln),
+                x, copies)}
             for cfg in CANDIDATES:
                 def call(xx, ww, bb, c=cfg):
                     return gemv(xx, ww, bb, prologue=prologue, residual=res, ln_weight=ln, cfg=c,
-                                pdl=self.pdl)
+                                pdl=self.pdl, early_release=self.early_release)
                 try:
                     times[cfg] = time_linear_us(call, x, copies)
                 except Exception as e:  # a configuration the compiler rejects: not a candidate
                     logger.debug("decode gemv config %s failed on %s: %s", cfg, key, e)
             del copies
-            if times:
-                self.configs[key] = min(times, key=times.get)
-                self.timings[key] = times
-        logger.info("decode gemv: tuned %d shapes (pdl=%s)", len(self.configs), self.pdl)
+            self.configs[key] = min(times, key=times.get)
+            self.timings[key] = times
+        fused = sum(c is not None for c in self.configs.values())
+        logger.info("decode gemv: %d of %d shapes fused (pdl=%s)", fused, len(self.configs), self.pdl)
 
 
 def install(model, mode: str) -> Optional[DecodeGemv]:
     """mode (envs.decode_gemv): "on" (PDL where supported, rope + KV write in the q/k/v
-    projection), "pdl" (PDL, rope a kernel of its own), "nopdl" (neither): tune the kernel for
+    projection), "implicit" (as on, but a projection lets the next kernel launch only as it
+    exits), "pdl" (PDL, rope a kernel of its own), "nopdl" (neither): tune the kernel for
     every projection of the model's one-token forward and route those forwards through it;
     "off": nothing (None)."""
     if mode == "off" or not HAS_TRITON:
         return None
     device = next(model.parameters()).device
-    table = DecodeGemv(pdl=(mode in ("on", "pdl") and pdl_supported(device)), rope=(mode == "on"))
+    table = DecodeGemv(pdl=(mode in ("on", "pdl", "implicit") and pdl_supported(device)),
+                       rope=(mode in ("on", "implicit")), early_release=(mode != "implicit"))
     cases = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp

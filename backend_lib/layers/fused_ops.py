@@ -29,7 +29,7 @@ import torch
 
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
-from .triton_support import pdl_launch
+from .triton_support import pdl_launch, pdl_release_dependents  # noqa: F401
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope_and_write_kv",
            "available", "HAS_TRITON"]
@@ -108,7 +108,7 @@ if HAS_TRITON:
         QK_NORM: tl.constexpr, USE_PDL: tl.constexpr = False,
     ):
         if USE_PDL:  # launched with PDL: release the next kernel, then wait for the last one
-            tl.extra.cuda.gdc_launch_dependents()
+            pdl_release_dependents()
             tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         DT = Q.dtype.element_ty

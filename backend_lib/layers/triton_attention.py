@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .triton_support import num_sms, pdl_launch
+from .triton_support import num_sms, pdl_launch, pdl_release_dependents  # noqa: F401
 
 try:  # Triton is optional at import time (CPU-only CI machines).
     import triton
@@ -86,7 +86,7 @@ if HAS_TRITON:
         USE_PDL: tl.constexpr = False,  # launched with PDL: release the next kernel, then wait
     ):
         if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
+            pdl_release_dependents()
             tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -165,7 +165,7 @@ if HAS_TRITON:
         USE_PDL: tl.constexpr = False,
     ):
         if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
+            pdl_release_dependents()
             tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)

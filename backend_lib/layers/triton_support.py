@@ -18,6 +18,18 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None
     HAS_TRITON = False
 
+if HAS_TRITON:
+    @triton.jit
+    def pdl_release_dependents():
+        """griddepcontrol.launch_dependents: the next kernel (launched with PDL) may start now.
+        Triton's own tl.extra.cuda.gdc_launch_dependents is a pure inline asm with an unused
+        result, which the compiler is free to move or drop; this one has side effects, so it
+        stays where the kernel puts it."""
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+else:  # pragma: no cover - depends on the environment
+    pdl_release_dependents = None
+
 # kernels also run on CPU tensors, in Triton's interpreter (TRITON_INTERPRET=1)
 INTERPRET = envs.triton_interpret()
 
