@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
 from .admission_delay import AdmissionDelay
-from .kv_cache import ROOT_HASH, BlockPool, SlotPool, block_hash
+from .int64_pack import int64_bytes
+from .kv_cache import ROOT_HASH, BlockPool, SlotPool, chain_hashes
 from .request import FinishReason, OutputRow, Request, RequestStatus
 
 
@@ -330,16 +331,17 @@ class Scheduler:
     def _hashes(self, req: Request, n: int) -> list[bytes]:
         """The chained hashes of req's first n full blocks (computed once, kept)."""
         hs = req.block_hashes
-        if len(hs) < n:
+        have = len(hs)
+        if have < n:
             bs = self.blocks.block_size
-            prompt, outputs, p = req.prompt_token_ids, req.output_token_ids, req.num_prompt_tokens
-            parent = hs[-1] if hs else ROOT_HASH
-            for i in range(len(hs), n):
-                a, b = i * bs, (i + 1) * bs
-                # slices of the prompt and the outputs, never a copy of all the tokens
-                ids = prompt[a:b] if b <= p else outputs[a - p:b - p] if a >= p else prompt[a:] + outputs[:b - p]
-                parent = block_hash(parent, ids)
-                hs.append(parent)
+            a, b, p = have * bs, n * bs, req.num_prompt_tokens
+            if b <= p:
+                data = req.prompt_bytes[8 * a:8 * b]
+            elif a >= p:
+                data = int64_bytes(req.output_token_ids[a - p:b - p])
+            else:  # the block that straddles the prompt's end
+                data = req.prompt_bytes[8 * a:] + int64_bytes(req.output_token_ids[:b - p])
+            hs.extend(chain_hashes(hs[-1] if hs else ROOT_HASH, data, bs))
         return hs
 
     def _commit_blocks(self, req: Request) -> None:
