@@ -395,7 +395,7 @@ class ModelRunner:
 
     def pack_mixed(self, sched: SchedulerOutput) -> MixedRows:
         """Host side of a mixed step: its per-token and per-row arrays (mixed_pack.py)."""
-        return pack_rows(sched.rows, sched.slots)
+        return pack_rows(sched.rows, sched.slots, sched.irregular_rows)
 
     def gather_input_ids(self, host_ids: torch.Tensor, relay_src: torch.Tensor) -> torch.Tensor:
         """First stage: input ids, placeholders gathered from the relay buffer by slot."""

@@ -29,6 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
+import numpy as np
+
 from .admission_delay import AdmissionDelay
 from .int64_pack import int64_bytes
 from .kv_cache import ROOT_HASH, BlockPool, SlotPool, chain_hashes
@@ -41,8 +43,15 @@ class ScheduledRow(NamedTuple):
     start_pos: int              # num_computed_tokens before this step
     num_new_tokens: int
     samples: bool               # this row's sampled token is a real output
-    host_token_ids: Sequence[int]  # known input ids; a relay row's first id is a dummy 0
+    host_token_ids: Sequence[int]  # known input ids (a prompt chunk's: an int64 numpy view of
+                                   # Request.prompt_bytes); a relay row's first id is a dummy 0
     first_from_relay: bool      # the first input token is a placeholder: gather it on device
+
+    @property
+    def is_relay_decode(self) -> bool:
+        """One token whose id comes from the relay, sampled: a row all of whose packed
+        columns but slot and position are constants (mixed_pack.pack_rows)."""
+        return self.first_from_relay and self.num_new_tokens == 1 and self.samples
 
 
 _RELAY_IDS = (0,)  # host ids of a row whose one input token comes from the relay (shared, immutable)
@@ -63,8 +72,13 @@ class SchedulerOutput:
     num_tokens: int = 0
     num_non_decode_rows: int = 0   # rows other than one sampled token past the prompt
     num_host_input_rows: int = 0   # rows whose first input id is host-known (not from the relay)
+    # Indices of the rows other than one relay token that samples (prefill chunks, host-known
+    # inputs): the mixed packing reads only these rows one by one (mixed_pack.pack_rows).
+    irregular_rows: list[int] = field(default_factory=list)
 
     def add_row(self, row: ScheduledRow) -> None:
+        if not row.is_relay_decode:
+            self.irregular_rows.append(len(self.rows))
         self.rows.append(row)
         self.slots.append(row.request.slot)
         n = row.num_new_tokens
@@ -304,7 +318,7 @@ class Scheduler:
         if start >= known:  # decode of a placeholder: its id is gathered on the device
             ids = _RELAY_IDS
         elif start + n <= req.num_prompt_tokens:
-            ids = req.prompt_token_ids[start:start + n]
+            ids = np.frombuffer(req.prompt_bytes, dtype=np.int64, count=n, offset=8 * start)
         else:
             ids = [req.token_at(p) if p < known else 0 for p in range(start, start + n)]
         first_from_relay = start >= known
