@@ -189,8 +189,24 @@ class Scheduler:
         bs = self.blocks.block_size
         running = self.running
         rows, slots = out.rows, out.slots
-        num_fast = 0
-        i = 0
+        add_row, add_slot = rows.append, slots.append
+        # Steady decode (the hot path, kept inline): the leading requests that decode a
+        # placeholder with KV room each take one token; the row is what add_row would record
+        # (one relay token, sampled, past the prompt). The general loop below goes on from
+        # the first other request.
+        for req in running if len(running) <= budget else running[:budget]:
+            computed = req.num_computed_tokens
+            ph = req.num_output_placeholders
+            n_out = len(req.output_token_ids)
+            if not (ph and computed == req.num_prompt_tokens + n_out + ph - 1 and n_out + ph < req.max_output_tokens
+                    and (computed < len(req.block_ids) * bs or self._grow_one_block(out, req, computed))):
+                break
+            req.num_computed_tokens = computed + 1
+            req.num_output_placeholders = ph + 1
+            add_row(_new_row(ScheduledRow, (req, computed, 1, True, _RELAY_IDS, True)))
+            add_slot(req.slot)
+        num_fast = i = len(rows)
+        budget -= num_fast
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
@@ -198,12 +214,11 @@ class Scheduler:
             n_out = len(req.output_token_ids)
             if ph and computed == req.num_prompt_tokens + n_out + ph - 1 and n_out + ph < req.max_output_tokens \
                     and (computed < len(req.block_ids) * bs or self._grow_one_block(out, req, computed)):
-                # Steady decode of a placeholder with KV room: the hot path, kept inline (the
-                # row is what add_row would record: one relay token, sampled, past the prompt).
+                # The same steady decode row, after a request that took the general path.
                 req.num_computed_tokens = computed + 1
                 req.num_output_placeholders = ph + 1
-                rows.append(_new_row(ScheduledRow, (req, computed, 1, True, _RELAY_IDS, True)))
-                slots.append(req.slot)
+                add_row(_new_row(ScheduledRow, (req, computed, 1, True, _RELAY_IDS, True)))
+                add_slot(req.slot)
                 num_fast += 1
                 budget -= 1
                 i += 1
@@ -404,10 +419,10 @@ class Scheduler:
         emit = outputs.append
         num_new = 0
         interval = self.stream_interval
-        for row, token, lp in zip(sched.rows, sampled, logprobs if logprobs is not None else _NO_LOGPROBS):
-            if not row.samples:
+        for (req, _, _, samples, _, _), token, lp in zip(sched.rows, sampled,
+                                                        logprobs if logprobs is not None else _NO_LOGPROBS):
+            if not samples:
                 continue  # a non-final prefill chunk: its sample is meaningless
-            req = row.request
             if req.status is finished:
                 continue
             token = int(token)
