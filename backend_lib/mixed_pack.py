@@ -2,15 +2,20 @@
 per-row arrays the mixed program reads (mixed_graphs.MixedMeta, the eager mixed step, the
 pipeline stages).
 
-Every row of such a step is packed, and while requests come and go that is most steps, so
-the work is per row only where it must read a row (one transpose of the row tuples in C); per token it is numpy (a 256-token chunk is a slice of its prompt, not 256 Python
-appends).
+Every row of such a step is packed, and while requests come and go that is most steps. Most
+of its rows are decodes (one token from the relay, sampled), whose columns are constants
+except slot and position, so only those two are converted for every row (struct.pack, in C);
+the other rows (prefill chunks, host-known inputs) are read one by one, their ids per token
+in numpy (a chunk's ids are a view of its prompt's int64 bytes, see Scheduler._add_row).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from operator import itemgetter
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
+
+from .int64_pack import int64_array
 
 
 class MixedRows(NamedTuple):
@@ -32,17 +37,29 @@ class MixedRows(NamedTuple):
         return np.diff(self.cu).tolist()
 
 
-def pack_rows(rows: Sequence, slots: Sequence[int]) -> MixedRows:
+_start_pos = itemgetter(1)  # ScheduledRow.start_pos
+
+
+def pack_rows(rows: Sequence, slots: Sequence[int], irregular: Optional[Sequence[int]] = None) -> MixedRows:
     """rows: ScheduledRow (request, start_pos, num_new_tokens, samples, host_token_ids,
-    first_from_relay); slots: each row's request slot (SchedulerOutput.slots)."""
+    first_from_relay); slots: each row's request slot (SchedulerOutput.slots); irregular:
+    the indices of the rows that are not relay decodes (SchedulerOutput.irregular_rows;
+    None: found here)."""
     s = len(rows)
     if s == 0:
         return MixedRows(np.zeros((4, 0), np.int64), np.zeros((4, 0), np.int64), np.zeros(1, np.int64))
-    _, start, n, samples, host_ids, from_relay = zip(*rows)  # columns, transposed in C
-    slot = np.array(slots, dtype=np.int64)
-    start = np.array(start, dtype=np.int64)
-    n = np.array(n, dtype=np.int64)
-    from_relay = np.array(from_relay, dtype=bool)
+    if irregular is None:
+        irregular = [i for i, r in enumerate(rows) if not r.is_relay_decode]
+    slot = int64_array(slots)
+    start = int64_array(list(map(_start_pos, rows)))
+    n = np.ones(s, dtype=np.int64)
+    samples = np.ones(s, dtype=np.int64)
+    from_relay = np.ones(s, dtype=bool)
+    if irregular:
+        odd = [rows[i] for i in irregular]
+        n[irregular] = [r.num_new_tokens for r in odd]
+        samples[irregular] = [r.samples for r in odd]
+        from_relay[irregular] = [r.first_from_relay for r in odd]
     cu = np.zeros(s + 1, dtype=np.int64)
     np.cumsum(n, out=cu[1:])
     first = cu[:-1]
@@ -58,14 +75,14 @@ def pack_rows(rows: Sequence, slots: Sequence[int]) -> MixedRows:
         tok[3] = slot[row_of]
     tok[1] = -1
     tok[1, first[from_relay]] = slot[from_relay]   # only a row's first token comes from the relay
-    # Input ids: the host's, where it has them (a relay row's first id is a dummy 0). A step
-    # mixes many one-token relay rows (decodes) with a few chunks, so only those rows are read.
+    # Input ids: the host's, where it has them (a relay row's first id is a dummy 0).
     tok[0] = 0
-    singles = np.flatnonzero(~from_relay & (n == 1))
-    if len(singles):
-        tok[0, first[singles]] = [host_ids[i][0] for i in singles.tolist()]
-    for i in np.flatnonzero(n > 1).tolist():
-        tok[0, first[i]:cu[i + 1]] = host_ids[i]
+    for i in irregular:
+        r = rows[i]
+        if r.num_new_tokens > 1:
+            tok[0, first[i]:cu[i + 1]] = r.host_token_ids
+        elif not r.first_from_relay:
+            tok[0, first[i]] = r.host_token_ids[0]
 
     row = np.empty((4, s), dtype=np.int64)
     row[0] = slot

@@ -157,25 +157,23 @@ class ModelRunner:
 
     # ---- persistent table updates (admission, KV growth) --------------------------------
     def plan_tables(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> Optional[TablePlan]:
-        """Host side of the table updates as tensors (None when the step has none): admissions
-        write their slot's sampling state, KV growth writes block-table entries."""
+        """Host side of the table updates, packed in one tensor (None when the step has none):
+        admissions write their slot's sampling state, KV growth writes block-table entries."""
         up = self.pack_table_updates(sched, eos_ids)
         if not (up.ints or up.history[0] or up.growth[0]):
             return None
-        return TablePlan(host_tensor(up.ints) if up.ints else None,
-                         host_tensor(up.floats, torch.float32) if up.ints else None,
-                         host_tensor(up.history) if up.history[0] else None,
-                         host_tensor(up.growth) if up.growth[0] else None)
+        return TablePlan.pack(up.ints, up.floats, up.history, up.growth, self.admission_width,
+                              len(ADMISSION_FLOATS))
 
     def apply_tables(self, t: TablePlan) -> None:
-        """Device side: each update is one async H2D copy (pinned staging), then a scatter."""
-        upload = self.staging.upload_tensor
-        if t.admissions is not None:
-            self.apply_admissions(upload(t.admissions), upload(t.admission_floats))
-        if t.history is not None:
-            self.apply_history(upload(t.history))
-        if t.growth is not None:
-            self.apply_growth(upload(t.growth))
+        """Device side: one async H2D copy (pinned staging), then a scatter per section."""
+        sec = t.sections(self.staging.upload_tensor(t.packed))
+        if sec.admissions is not None:
+            self.apply_admissions(sec.admissions, sec.admission_floats)
+        if sec.history is not None:
+            self.apply_history(sec.history)
+        if sec.growth is not None:
+            self.apply_growth(sec.growth)
 
     @property
     def admission_width(self) -> int:
@@ -397,7 +395,7 @@ class ModelRunner:
 
     def pack_mixed(self, sched: SchedulerOutput) -> MixedRows:
         """Host side of a mixed step: its per-token and per-row arrays (mixed_pack.py)."""
-        return pack_rows(sched.rows, sched.slots)
+        return pack_rows(sched.rows, sched.slots, sched.irregular_rows)
 
     def gather_input_ids(self, host_ids: torch.Tensor, relay_src: torch.Tensor) -> torch.Tensor:
         """First stage: input ids, placeholders gathered from the relay buffer by slot."""

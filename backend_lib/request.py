@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .config import is_number
+from .int64_pack import int64_bytes
 from .layers.logprobs import MAX_LOGPROBS
 
 MAX_N = 16  # SamplingParams.n
@@ -164,9 +165,13 @@ class Request:
     # stop_token_ids), and the most outputs it may get (the scheduler also applies max_model_len).
     stop_ids: frozenset = field(init=False, default=frozenset(), repr=False)
     max_output_tokens: int = field(init=False, default=0)
+    # The prompt's ids as native int64 bytes, converted once: block hashing and the mixed
+    # packing slice it instead of converting Python ints block by block.
+    prompt_bytes: bytes = field(init=False, default=b"", repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.prompt_bytes = int64_bytes(self.prompt_token_ids)
         sp = self.sampling
         self.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.eos_token_ids)
         self.max_output_tokens = sp.max_tokens

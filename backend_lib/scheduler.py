@@ -29,8 +29,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
+import numpy as np
+
 from .admission_delay import AdmissionDelay
-from .kv_cache import ROOT_HASH, BlockPool, SlotPool, block_hash
+from .int64_pack import int64_bytes
+from .kv_cache import ROOT_HASH, BlockPool, SlotPool, chain_hashes
 from .request import FinishReason, OutputRow, Request, RequestStatus
 
 
@@ -40,8 +43,15 @@ class ScheduledRow(NamedTuple):
     start_pos: int              # num_computed_tokens before this step
     num_new_tokens: int
     samples: bool               # this row's sampled token is a real output
-    host_token_ids: Sequence[int]  # known input ids; a relay row's first id is a dummy 0
+    host_token_ids: Sequence[int]  # known input ids (a prompt chunk's: an int64 numpy view of
+                                   # Request.prompt_bytes); a relay row's first id is a dummy 0
     first_from_relay: bool      # the first input token is a placeholder: gather it on device
+
+    @property
+    def is_relay_decode(self) -> bool:
+        """One token whose id comes from the relay, sampled: a row all of whose packed
+        columns but slot and position are constants (mixed_pack.pack_rows)."""
+        return self.first_from_relay and self.num_new_tokens == 1 and self.samples
 
 
 _RELAY_IDS = (0,)  # host ids of a row whose one input token comes from the relay (shared, immutable)
@@ -62,8 +72,13 @@ class SchedulerOutput:
     num_tokens: int = 0
     num_non_decode_rows: int = 0   # rows other than one sampled token past the prompt
     num_host_input_rows: int = 0   # rows whose first input id is host-known (not from the relay)
+    # Indices of the rows other than one relay token that samples (prefill chunks, host-known
+    # inputs): the mixed packing reads only these rows one by one (mixed_pack.pack_rows).
+    irregular_rows: list[int] = field(default_factory=list)
 
     def add_row(self, row: ScheduledRow) -> None:
+        if not row.is_relay_decode:
+            self.irregular_rows.append(len(self.rows))
         self.rows.append(row)
         self.slots.append(row.request.slot)
         n = row.num_new_tokens
@@ -174,8 +189,24 @@ class Scheduler:
         bs = self.blocks.block_size
         running = self.running
         rows, slots = out.rows, out.slots
-        num_fast = 0
-        i = 0
+        add_row, add_slot = rows.append, slots.append
+        # Steady decode (the hot path, kept inline): the leading requests that decode a
+        # placeholder with KV room each take one token; the row is what add_row would record
+        # (one relay token, sampled, past the prompt). The general loop below goes on from
+        # the first other request.
+        for req in running if len(running) <= budget else running[:budget]:
+            computed = req.num_computed_tokens
+            ph = req.num_output_placeholders
+            n_out = len(req.output_token_ids)
+            if not (ph and computed == req.num_prompt_tokens + n_out + ph - 1 and n_out + ph < req.max_output_tokens
+                    and (computed < len(req.block_ids) * bs or self._grow_one_block(out, req, computed))):
+                break
+            req.num_computed_tokens = computed + 1
+            req.num_output_placeholders = ph + 1
+            add_row(_new_row(ScheduledRow, (req, computed, 1, True, _RELAY_IDS, True)))
+            add_slot(req.slot)
+        num_fast = i = len(rows)
+        budget -= num_fast
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
@@ -183,12 +214,11 @@ class Scheduler:
             n_out = len(req.output_token_ids)
             if ph and computed == req.num_prompt_tokens + n_out + ph - 1 and n_out + ph < req.max_output_tokens \
                     and (computed < len(req.block_ids) * bs or self._grow_one_block(out, req, computed)):
-                # Steady decode of a placeholder with KV room: the hot path, kept inline (the
-                # row is what add_row would record: one relay token, sampled, past the prompt).
+                # The same steady decode row, after a request that took the general path.
                 req.num_computed_tokens = computed + 1
                 req.num_output_placeholders = ph + 1
-                rows.append(_new_row(ScheduledRow, (req, computed, 1, True, _RELAY_IDS, True)))
-                slots.append(req.slot)
+                add_row(_new_row(ScheduledRow, (req, computed, 1, True, _RELAY_IDS, True)))
+                add_slot(req.slot)
                 num_fast += 1
                 budget -= 1
                 i += 1
@@ -303,7 +333,7 @@ class Scheduler:
         if start >= known:  # decode of a placeholder: its id is gathered on the device
             ids = _RELAY_IDS
         elif start + n <= req.num_prompt_tokens:
-            ids = req.prompt_token_ids[start:start + n]
+            ids = np.frombuffer(req.prompt_bytes, dtype=np.int64, count=n, offset=8 * start)
         else:
             ids = [req.token_at(p) if p < known else 0 for p in range(start, start + n)]
         first_from_relay = start >= known
@@ -330,16 +360,17 @@ class Scheduler:
     def _hashes(self, req: Request, n: int) -> list[bytes]:
         """The chained hashes of req's first n full blocks (computed once, kept)."""
         hs = req.block_hashes
-        if len(hs) < n:
+        have = len(hs)
+        if have < n:
             bs = self.blocks.block_size
-            prompt, outputs, p = req.prompt_token_ids, req.output_token_ids, req.num_prompt_tokens
-            parent = hs[-1] if hs else ROOT_HASH
-            for i in range(len(hs), n):
-                a, b = i * bs, (i + 1) * bs
-                # slices of the prompt and the outputs, never a copy of all the tokens
-                ids = prompt[a:b] if b <= p else outputs[a - p:b - p] if a >= p else prompt[a:] + outputs[:b - p]
-                parent = block_hash(parent, ids)
-                hs.append(parent)
+            a, b, p = have * bs, n * bs, req.num_prompt_tokens
+            if b <= p:
+                data = req.prompt_bytes[8 * a:8 * b]
+            elif a >= p:
+                data = int64_bytes(req.output_token_ids[a - p:b - p])
+            else:  # the block that straddles the prompt's end
+                data = req.prompt_bytes[8 * a:] + int64_bytes(req.output_token_ids[:b - p])
+            hs.extend(chain_hashes(hs[-1] if hs else ROOT_HASH, data, bs))
         return hs
 
     def _commit_blocks(self, req: Request) -> None:
@@ -388,10 +419,10 @@ class Scheduler:
         emit = outputs.append
         num_new = 0
         interval = self.stream_interval
-        for row, token, lp in zip(sched.rows, sampled, logprobs if logprobs is not None else _NO_LOGPROBS):
-            if not row.samples:
+        for (req, _, _, samples, _, _), token, lp in zip(sched.rows, sampled,
+                                                        logprobs if logprobs is not None else _NO_LOGPROBS):
+            if not samples:
                 continue  # a non-final prefill chunk: its sample is meaningless
-            req = row.request
             if req.status is finished:
                 continue
             token = int(token)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from .decode_graphs import DecodeGraphPlan
+from .int64_pack import int64_array
 from .mixed_graphs import MixedGraphPlan
 from .mixed_pack import MixedRows
 
@@ -26,13 +28,57 @@ class StepProgram(enum.Enum):
     MIXED = "mixed"                 # a step with prefill chunks: a mixed graph, or eager
 
 
-@dataclass(slots=True)
-class TablePlan:
-    """A step's persistent-table updates (host tensors; None where the step has none)."""
+class TableSections(NamedTuple):
+    """A step's persistent-table updates, views of one packed tensor (None where none)."""
     admissions: Optional[torch.Tensor]        # [A, admission_width] int64: slot, top_k, seed, prompt_len, ...
-    admission_floats: Optional[torch.Tensor]  # [A, len(ADMISSION_FLOATS)] float32
+    admission_floats: Optional[torch.Tensor]  # [A, F] float32 (model_runner.ADMISSION_FLOATS)
     history: Optional[torch.Tensor]           # [3, H] int64: penalty rows' slot, known token, is_output
     growth: Optional[torch.Tensor]            # [3, G] int64: slot, block index, block id
+
+
+@dataclass(slots=True)
+class TablePlan:
+    """A step's persistent-table updates packed in one int64 host tensor, so the device side
+    is one upload (each upload costs the host a staging copy, an allocation, a copy and an
+    event) and `sections` views of it. Layout: admissions [A, W], their floats [A, F] as
+    float32 (two to an int64, F even), history [3, H], growth [3, G]."""
+    packed: torch.Tensor
+    num_admissions: int
+    admission_width: int
+    num_admission_floats: int
+    num_history: int
+    num_growth: int
+
+    @classmethod
+    def pack(cls, ints: list[list[int]], floats: list[list[float]], history: list[list[int]],
+             growth: list[list[int]], width: int, num_floats: int) -> "TablePlan":
+        """ints / floats: one row per admission; history / growth: three rows each."""
+        if num_floats % 2:
+            raise ValueError(f"admission floats pack two to an int64: {num_floats} is odd")
+        a, h, g = len(ints), len(history[0]), len(growth[0])
+        buf = np.empty(a * width + a * num_floats // 2 + 3 * h + 3 * g, dtype=np.int64)
+        o = a * width
+        if a:
+            buf[:o].reshape(a, width)[:] = ints
+            buf[o:o + a * num_floats // 2] = np.array(floats, dtype=np.float32).view(np.int64).ravel()
+            o += a * num_floats // 2
+        if h:
+            buf[o:o + 3 * h] = int64_array(history[0] + history[1] + history[2])
+            o += 3 * h
+        if g:
+            buf[o:] = int64_array(growth[0] + growth[1] + growth[2])
+        return cls(torch.from_numpy(buf), a, width, num_floats, h, g)
+
+    def sections(self, packed: torch.Tensor) -> TableSections:
+        """Views of `packed` (this plan's tensor, or its device copy) by section."""
+        a, w, f, h, g = (self.num_admissions, self.admission_width, self.num_admission_floats,
+                         self.num_history, self.num_growth)
+        o = a * w + a * f // 2
+        adm = packed[:a * w].view(a, w) if a else None
+        adm_f = packed[a * w:o].view(torch.float32).view(a, f) if a else None
+        hist = packed[o:o + 3 * h].view(3, h) if h else None
+        growth = packed[o + 3 * h:].view(3, g) if g else None
+        return TableSections(adm, adm_f, hist, growth)
 
 
 @dataclass(slots=True)
