@@ -1,6 +1,7 @@
 """Every environment variable the engine reads, in one module."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 # "module:Class" the engine process (engine_core) builds instead of LLMEngine, with LLMEngine's
@@ -45,15 +46,21 @@ def triton_interpret() -> bool:
 SKINNY_GEMM_ENV = "BACKEND_LIB_SKINNY_GEMM"
 
 
-def skinny_gemm() -> str:
-    v = os.environ.get(SKINNY_GEMM_ENV, "on").strip().lower()
+def _switch(name: str, others: tuple[str, ...] = ()) -> str:
+    """An on/off switch that defaults to on, with `others` as further modes."""
+    v = os.environ.get(name, "on").strip().lower()
     if v in ("0", "off", "false", "no"):
         return "off"
     if v in ("", "1", "on", "true", "yes"):
         return "on"
-    if v == "force":
-        return "force"
-    raise ValueError(f"{SKINNY_GEMM_ENV}={v!r}: must be off, on or force")
+    if v in others:
+        return v
+    modes = ("off", "on") + others
+    raise ValueError(f"{name}={v!r}: must be {', '.join(modes[:-1])} or {modes[-1]}")
+
+
+def skinny_gemm() -> str:
+    return _switch(SKINNY_GEMM_ENV, ("force",))
 
 
 # One-token forwards (batch-1 decode) on CUDA (backend_lib/layers/decode_gemv.py): each
@@ -66,14 +73,7 @@ DECODE_GEMV_ENV = "BACKEND_LIB_DECODE_GEMV"
 
 
 def decode_gemv() -> str:
-    v = os.environ.get(DECODE_GEMV_ENV, "on").strip().lower()
-    if v in ("0", "off", "false", "no"):
-        return "off"
-    if v in ("", "1", "on", "true", "yes"):
-        return "on"
-    if v in ("implicit", "pdl", "nopdl"):
-        return v
-    raise ValueError(f"{DECODE_GEMV_ENV}={v!r}: must be off, on, implicit, pdl or nopdl")
+    return _switch(DECODE_GEMV_ENV, ("implicit", "pdl", "nopdl"))
 
 
 # Sampling kernels on CUDA: split (the default: each row spread across many programs,
@@ -147,3 +147,18 @@ def pp_startup_timeout_s() -> float:
 
 def pp_forbid_objects() -> bool:
     return os.environ.get(PP_FORBID_OBJECTS_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def overridden(env: dict):
+    """os.environ with `env` set, restored on exit (benchmarks' variants, tests)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

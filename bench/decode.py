@@ -56,7 +56,6 @@ before the next. The tables are printed last; decode.json goes to --out-dir.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -74,6 +73,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
+
+from backend_lib import envs  # noqa: E402
 
 from scripts import load_make_model  # noqa: E402
 
@@ -277,21 +278,6 @@ def bench_hf(spec: ModelSpec, args) -> list[Row]:
 
 
 # ---- our engine ----------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _environment(env: dict):
-    """os.environ with env set, restored after (an --env-variant's engine)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
 
 def parse_env_variant(text: str) -> tuple[str, dict]:
     """'NAME:VAR=VALUE,VAR=VALUE' -> (NAME, {VAR: VALUE})."""
@@ -607,7 +593,7 @@ def main(argv=None) -> int:
         if {"hf", "cb"} & set(args.impl_list):
             rows += bench_hf(spec, args)
         for (variant, env), sampler in [(v, s) for v in args.env_variants for s in args.sampler_list]:
-            with _environment(env):
+            with envs.overridden(env):
                 if "sync" in args.impl_list:
                     rows += bench_engine(spec, "off", args, tl, sampler, variant)
                 if "async" in args.impl_list:

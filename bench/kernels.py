@@ -49,7 +49,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from backend_lib import envs  # noqa: E402
-from bench.decode import _environment, parse_env_variant  # noqa: E402
+from bench.decode import parse_env_variant  # noqa: E402
 from scripts import load_make_model  # noqa: E402
 
 # Scaled-down 0.5B for the CPU smoke run (same structure: Qwen2 biases, GQA, tied head).
@@ -271,7 +271,7 @@ def census_of(path: str, args, trace: Path) -> dict:
 
 
 def _skinny_env(on: bool):
-    return _environment({envs.SKINNY_GEMM_ENV: "on" if on else "off"})
+    return envs.overridden({envs.SKINNY_GEMM_ENV: "on" if on else "off"})
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
         variants = [parse_env_variant(v) for v in args.env_variant]
     for name, env in variants:
         tag = f" ({name}: {' '.join(f'{k}={v}' for k, v in env.items())})" if name else ""
-        with _environment(env):
+        with envs.overridden(env):
             census = census_of(path, args, out / f"kernels_trace{'_' + name if name else ''}.json")
         sections += [f"## Kernels of one decode step: qwen2.5-0.5b shape, batch {args.batch}, "
                      f"prompt {args.prompt_len}, sampling {args.sampling}{tag}\n", census_tables(census, cuda), ""]

@@ -79,7 +79,7 @@ def test_unfused_fallback_rotates_and_writes_the_cache():
 
 
 def test_env_variant_parsing():
-    from bench.decode import _environment, parse_env_variant
+    from bench.decode import parse_env_variant
     assert parse_env_variant("on:BACKEND_LIB_DECODE_GEMV=on,X=1") == ("on", {"BACKEND_LIB_DECODE_GEMV": "on", "X": "1"})
     assert parse_env_variant("plain:") == ("plain", {})
     for bad in ("noname", ":X=1", "a:X"):
@@ -87,6 +87,6 @@ def test_env_variant_parsing():
             parse_env_variant(bad)
     import os
     os.environ.pop("DECODE_GEMV_TEST_VAR", None)
-    with _environment({"DECODE_GEMV_TEST_VAR": "1"}):
+    with envs.overridden({"DECODE_GEMV_TEST_VAR": "1"}):
         assert os.environ["DECODE_GEMV_TEST_VAR"] == "1"
     assert "DECODE_GEMV_TEST_VAR" not in os.environ

@@ -3,13 +3,12 @@ bench.serve --emulated-step-us runs behind Triton: through EngineProcessClient e
 max_tokens tokens (never an EOS), one per step, finish reason "length"; a prompt that leaves less
 room ends at max_model_len; abort ends a request with "abort"; the engine's validation errors
 still come synchronously; a malformed class spec fails the start-up naming the variable."""
-import os
 import time
 
 import pytest
 
 from backend_lib import EngineConfig, EngineProcessClient, SamplingParams
-from backend_lib.envs import ENGINE_CLASS_ENV, engine_class
+from backend_lib.envs import ENGINE_CLASS_ENV, engine_class, overridden
 from backend_lib.request import FinishReason
 from bench.emulated_engine import STEP_US_ENV
 
@@ -18,18 +17,9 @@ STEP_US = 2000
 
 @pytest.fixture(scope="module")
 def emulated(path):
-    old = {k: os.environ.get(k) for k in (ENGINE_CLASS_ENV, STEP_US_ENV)}
-    os.environ[ENGINE_CLASS_ENV] = "bench.emulated_engine:EmulatedEngine"
-    os.environ[STEP_US_ENV] = str(STEP_US)
-    try:
+    with overridden({ENGINE_CLASS_ENV: "bench.emulated_engine:EmulatedEngine", STEP_US_ENV: str(STEP_US)}):
         c = EngineProcessClient(EngineConfig(model_path=path, device="cpu", dtype="float32", max_num_seqs=4,
                                              max_model_len=64, num_kv_blocks=16))
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     yield c
     c.shutdown()
 
