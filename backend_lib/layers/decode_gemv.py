@@ -223,6 +223,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     if prologue == ADD_RMSNORM and (residual is None or residual.shape != x.shape
                                     or not residual.is_contiguous()):
         raise ValueError("decode_gemv: ADD_RMSNORM needs a contiguous residual shaped like x")
+    for name, t in (("residual", residual), ("ln_weight", ln_weight), ("bias", b)):
+        if t is not None and t.dtype != x.dtype:
+            raise ValueError(f"decode_gemv: {name} is {t.dtype}, x is {x.dtype} (one dtype)")
+    if residual_out is not None and residual_out.data_ptr() in {t.data_ptr() for t in (x, residual)
+                                                                if t is not None}:
+        raise ValueError("decode_gemv: residual_out must not alias x or residual (program 0 "
+                         "writes it while the others still read them)")
     rope_args, rope_meta = (x,) * 6 + (0,), {}
     if rope is not None:
         d = rope.head_dim
@@ -233,6 +240,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
         if not (rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
                 and rope.cos.stride(-1) == 1 and rope.sin.stride() == rope.cos.stride()):
             raise ValueError("decode_gemv: rope needs contiguous caches and cos/sin rows")
+        if rope.cos.shape[-1] != d:
+            raise ValueError(f"decode_gemv: rope tables are {rope.cos.shape[-1]} wide, the head "
+                             f"{d}: rotary must span the whole head")
         rope_args = (rope.cos, rope.sin, rope.positions, rope.k_cache, rope.v_cache,
                      rope.slot_mapping, rope.cos.stride(0))
         rope_meta = dict(ROPE=True, HQ=rope.num_heads, HKV=rope.num_kv_heads, HEAD_DIM=d,
@@ -288,6 +298,19 @@ def gemv_rope_ref(x, w, b, rope: RopeKV, **prologue):
 # ----------------------------------------------------------------------------------
 # The model's use: per-shape configurations, measured at start-up
 # ----------------------------------------------------------------------------------
+def shape_key(prologue: int, w: torch.Tensor, b: Optional[torch.Tensor], rope: bool) -> tuple:
+    """What a tuned configuration is for: the prologue, the weight's shape, bias, epilogue."""
+    return (prologue, w.shape[0], w.shape[1], b is not None, rope)
+
+
+def _stand_in_rope(num_heads: int, num_kv_heads: int, head_dim: int, dtype, device) -> RopeKV:
+    """A rope epilogue over throwaway tables and caches (timing only)."""
+    cos = torch.rand(64, head_dim, device=device)
+    cache = torch.zeros(4, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return RopeKV(cos, cos.clone(), torch.tensor([5], device=device), cache, cache.clone(),
+                  torch.tensor([7], device=device), num_heads, num_kv_heads, head_dim)
+
+
 @dataclass
 class DecodeGemv:
     """The configuration of each (prologue, N, K, bias) the model's one-token forward uses,
@@ -304,9 +327,9 @@ class DecodeGemv:
 
     def run(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
             rope: Optional[RopeKV] = None):
-        key = (prologue, proj.weight.shape[0], proj.weight.shape[1], proj.bias is not None)
-        cfg = self.configs.get(key, DEFAULT_CONFIG)
-        if cfg is None:
+        w = proj.weight
+        cfg = self.configs.get(shape_key(prologue, w, proj.bias, rope is not None), DEFAULT_CONFIG)
+        if cfg is None or not supported(x, w):
             return self.unfused(x, proj, prologue, residual, ln_weight, eps, rope)
         return gemv(x, proj.weight, proj.bias, prologue=prologue, residual=residual,
                     ln_weight=ln_weight, eps=eps, cfg=cfg, pdl=self.pdl, rope=rope,
@@ -315,7 +338,9 @@ class DecodeGemv:
     def unfused(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
                 rope: Optional[RopeKV] = None):
         """What `run` computes, as the batched path does it: the op's kernel, the projection
-        (proj: an nn.Linear, or any callable(x)), then rope + the cache write."""
+        (proj: an nn.Linear, or any callable(x)), then rope + the cache write. One difference
+        nothing reads: y's k columns stay unrotated here (the fused epilogue stores them
+        rotated); attention reads k from the cache, which both write rotated."""
         from . import fused_ops
         new_res = None
         if prologue == RMSNORM:
@@ -335,26 +360,30 @@ class DecodeGemv:
                 y = torch.cat([q.reshape(1, -1), k, v], dim=-1)
         return y, new_res
 
-    def tune(self, cases: list[tuple[int, torch.Tensor, Optional[torch.Tensor]]]) -> None:
-        """cases: (prologue, weight, bias) the model runs. Each candidate is timed as 50
-        calls in one graph over weight copies larger than L2 (each layer's weights are cold)."""
+    def tune(self, cases: list[tuple]) -> None:
+        """cases: (prologue, weight, bias, heads) the model runs; heads (num_heads,
+        num_kv_heads, head_dim) when the q/k/v projection carries the rope epilogue, else None.
+        Each candidate is timed as 50 calls in one graph over weight copies larger than L2
+        (each layer's weights are cold); the unfused ops are timed the same way, rope included."""
         from .skinny_gemm import time_linear_us, weight_copies
-        for prologue, w, b in cases:
-            key = (prologue, w.shape[0], w.shape[1], b is not None)
+        for prologue, w, b, heads in cases:
+            key = shape_key(prologue, w, b, heads is not None)
             if key in self.configs:
                 continue
             k = w.shape[1]
             x = torch.randn(1, 2 * k if prologue == SILU_MUL else k, dtype=w.dtype, device=w.device)
             res = torch.randn_like(x)
             ln = torch.ones(k, dtype=w.dtype, device=w.device)
+            rope = None if heads is None else _stand_in_rope(*heads, w.dtype, w.device)
             copies = weight_copies(w, b)
             times = {None: time_linear_us(
-                lambda xx, ww, bb: self.unfused(xx, lambda t: F.linear(t, ww, bb), prologue, res, ln),
+                lambda xx, ww, bb: self.unfused(xx, lambda t: F.linear(t, ww, bb), prologue, res, ln,
+                                                rope=rope),
                 x, copies)}
             for cfg in CANDIDATES:
                 def call(xx, ww, bb, c=cfg):
                     return gemv(xx, ww, bb, prologue=prologue, residual=res, ln_weight=ln, cfg=c,
-                                pdl=self.pdl, early_release=self.early_release)
+                                pdl=self.pdl, rope=rope, early_release=self.early_release)
                 try:
                     times[cfg] = time_linear_us(call, x, copies)
                 except Exception as e:  # a configuration the compiler rejects: not a candidate
@@ -377,14 +406,17 @@ def install(model, mode: str) -> Optional[DecodeGemv]:
     device = next(model.parameters()).device
     table = DecodeGemv(pdl=(mode in ("on", "pdl", "implicit") and pdl_supported(device)),
                        rope=(mode in ("on", "implicit")), early_release=(mode != "implicit"))
+    s = model.shape
+    # The model's forward_one_token decides the same: Qwen3's q/k norm keeps rope apart.
+    heads = (s.num_heads, s.num_kv_heads, s.head_dim) if table.rope and not s.qk_norm else None
     cases = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         first = layer is model.layers[0]
-        cases += [(RMSNORM if first else ADD_RMSNORM, attn.qkv_proj.weight, attn.qkv_proj.bias),
-                  (PLAIN, attn.o_proj.weight, attn.o_proj.bias),
-                  (ADD_RMSNORM, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias),
-                  (SILU_MUL, mlp.down_proj.weight, mlp.down_proj.bias)]
+        cases += [(RMSNORM if first else ADD_RMSNORM, attn.qkv_proj.weight, attn.qkv_proj.bias, heads),
+                  (PLAIN, attn.o_proj.weight, attn.o_proj.bias, None),
+                  (ADD_RMSNORM, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, None),
+                  (SILU_MUL, mlp.down_proj.weight, mlp.down_proj.bias, None)]
     table.tune(cases)
     model.one_token_gemv = table
     return table

@@ -22,9 +22,10 @@ if HAS_TRITON:
     @triton.jit
     def pdl_release_dependents():
         """griddepcontrol.launch_dependents: the next kernel (launched with PDL) may start now.
-        Triton's own tl.extra.cuda.gdc_launch_dependents is a pure inline asm with an unused
-        result, which the compiler is free to move or drop; this one has side effects, so it
-        stays where the kernel puts it."""
+        Declared with side effects, so the compiler keeps it where the kernel puts it whatever
+        the Triton release (tl.extra.cuda.gdc_launch_dependents has been declared pure in
+        some releases, which lets the compiler move or drop an instruction whose result is
+        unused)."""
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)
 else:  # pragma: no cover - depends on the environment

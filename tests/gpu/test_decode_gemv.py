@@ -119,6 +119,12 @@ def test_rejects_bad_shapes_with_the_field_named():
     with pytest.raises(ValueError, match="residual"):
         dg.gemv(torch.zeros(1, 16, device=DEVICE), w, prologue=dg.ADD_RMSNORM,
                 ln_weight=torch.ones(16, device=DEVICE))
+    x = torch.zeros(1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="ln_weight is torch.float16"):
+        dg.gemv(x, w, prologue=dg.RMSNORM, ln_weight=torch.ones(16, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="must not alias"):
+        dg.gemv(x, w, prologue=dg.ADD_RMSNORM, residual=torch.zeros_like(x),
+                ln_weight=torch.ones(16, device=DEVICE), residual_out=x)
 
 
 @pytest.mark.skipif(_ON_CPU, reason="CUDA graphs")
@@ -170,8 +176,11 @@ def test_tune_picks_a_candidate_per_shape():
     dg = _dg()
     table = dg.DecodeGemv(pdl=dg.pdl_supported(torch.device(DEVICE)))
     w = (torch.randn(1152, 896, device=DEVICE) * 0.05).to(torch.bfloat16)
-    table.tune([(dg.ADD_RMSNORM, w, None), (dg.PLAIN, w, None)])
-    assert set(table.configs) == {(dg.ADD_RMSNORM, 1152, 896, False), (dg.PLAIN, 1152, 896, False)}
+    table.tune([(dg.ADD_RMSNORM, w, None, (14, 2, 64)), (dg.ADD_RMSNORM, w, None, None),
+                (dg.PLAIN, w, None, None)])
+    assert set(table.configs) == {(dg.ADD_RMSNORM, 1152, 896, False, True),
+                                  (dg.ADD_RMSNORM, 1152, 896, False, False),
+                                  (dg.PLAIN, 1152, 896, False, False)}
     for key, cfg in table.configs.items():
         assert cfg is None or cfg in dg.CANDIDATES  # None: the unfused ops measured faster
         assert None in table.timings[key]
@@ -302,11 +311,103 @@ def test_model_one_token_forward_matches_the_batched_path(arch, mode, tiny_llama
     ref = model(ids, pos, ref_cache, meta)
     configs = {}
     if mode == "unfused":
-        configs = {(p, *proj.weight.shape, proj.bias is not None): None
-                   for p in range(4) for proj in model.projections()}
-    model.one_token_gemv = dg.DecodeGemv(configs=configs, rope=(mode != "fused"))
+        configs = {dg.shape_key(p, proj.weight, proj.bias, rope): None
+                   for p in range(4) for proj in model.projections() for rope in (False, True)}
+    model.one_token_gemv = dg.DecodeGemv(configs=configs, rope=(mode != "fused"),
+                                         pdl=dg.pdl_supported(torch.device(DEVICE)))
     got_cache = caches()
     got = model(ids, pos, got_cache, meta)
     assert _rel(got, ref) < 1e-5, (seed, _rel(got, ref))
     for (k1, v1), (k2, v2) in zip(ref_cache, got_cache):
         assert _rel(k2, k1) < 1e-5 and _rel(v2, v1) < 1e-5, seed
+
+
+def _small_config(kind):
+    """Configs the tiny checkpoints lack: Qwen2 (q/k/v bias), Llama with every bias on."""
+    import transformers
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512, rms_norm_eps=1e-6)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**common)
+    return transformers.LlamaConfig(**common, attention_bias=True, mlp_bias=True)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama-bias"])
+def test_one_token_graph_with_pdl_matches_the_batched_path(kind):
+    """The one-token forward as the decode graph runs it: captured in a CUDA graph (on CUDA),
+    every kernel launched with PDL where the GPU has it, the rope epilogue on, a context long
+    enough that the decode attention splits (and its reduce kernel runs). Each replay gets
+    fresh inputs and caches, and must equal the batched fused path run eagerly on the same
+    inputs: hidden state and both caches."""
+    from backend_lib.layers.attention import AttentionMetadata
+    from backend_lib.layers.rotary import RotaryEmbedding
+    from backend_lib.layers.triton_attention import decode_num_splits
+    from backend_lib.models.llama import DecoderModel
+    dg = _dg()
+    seed = seed_from_env("DECODE_GEMV_TEST_SEED")
+    cuda = DEVICE == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter truncates to bf16
+    cfg = _small_config(kind)
+    model = DecoderModel(cfg).to(DEVICE, dtype)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    s = model.shape
+    model.rotary = RotaryEmbedding(cfg, s.head_dim).to(DEVICE)
+    if not cuda:
+        model._fused = lambda x: True
+    blocks, bs, max_blocks = 16, 16, 8
+    assert decode_num_splits(1, s.num_kv_heads, max_blocks, bs) > 1  # the split + reduce path
+    ids = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    slot = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    seq_lens = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    tables = torch.arange(1, max_blocks + 1, dtype=torch.int32, device=DEVICE)[None]
+    meta = AttentionMetadata(slot, tables, seq_lens, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                             1, True, [1], [1])
+    shape = (blocks, bs, s.num_kv_heads, s.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype, device=DEVICE), torch.zeros(shape, dtype=dtype, device=DEVICE))
+              for _ in model.layers]
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def fresh_inputs():
+        p = int(torch.randint(60, 120, (1,), generator=gen, device=DEVICE))
+        ids.fill_(int(torch.randint(0, cfg.vocab_size, (1,), generator=gen, device=DEVICE)))
+        pos.fill_(p)
+        slot.fill_(int(tables[0, p // bs]) * bs + p % bs)
+        seq_lens.fill_(p + 1)
+        meta.seq_lens_host = [p + 1]
+        for kc, vc in caches:
+            kc.copy_(torch.randn(shape, generator=gen, device=DEVICE).to(dtype))
+            vc.copy_(torch.randn(shape, generator=gen, device=DEVICE).to(dtype))
+
+    def reference():
+        model.one_token_gemv = None
+        ref_caches = [(k.clone(), v.clone()) for k, v in caches]
+        out = model(ids, pos, ref_caches, meta)
+        return out, ref_caches
+
+    gemv = dg.DecodeGemv(pdl=dg.pdl_supported(torch.device(DEVICE)), rope=True)
+    runs = []
+    if cuda:
+        fresh_inputs()
+        model.one_token_gemv = gemv
+        model(ids, pos, caches, meta)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = model(ids, pos, caches, meta)
+    for _ in range(3 if cuda else 1):
+        fresh_inputs()
+        ref, ref_caches = reference()
+        model.one_token_gemv = gemv
+        if cuda:
+            graph.replay()
+            torch.cuda.synchronize()
+            got = static_out
+        else:
+            got = model(ids, pos, caches, meta)
+        tol = 2e-2 if cuda else 1e-5
+        runs.append(_rel(got, ref))
+        assert _rel(got, ref) < tol, (seed, kind, runs)
+        for (k1, v1), (k2, v2) in zip(ref_caches, caches):
+            assert _rel(k2, k1) < tol and _rel(v2, v1) < tol, (seed, kind)
