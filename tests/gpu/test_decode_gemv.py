@@ -107,6 +107,20 @@ def test_norm_input_is_rounded_like_hf():
     assert torch.equal(y, normed)
 
 
+def test_silu_input_is_rounded_like_the_unfused_kernel():
+    """silu(gate) is rounded to the activation dtype before the product with up, as
+    fused_ops.silu_and_mul rounds it: with W = identity rows, y equals its output exactly."""
+    dg = _dg()
+    seed_from_env("DECODE_GEMV_TEST_SEED")
+    k = 64
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    gate_up = (torch.randn(1, 2 * k, device=DEVICE) * 3).to(dtype)
+    eye = torch.eye(k, device=DEVICE).to(dtype)
+    y, _ = dg.gemv(gate_up, eye, prologue=dg.SILU_MUL, cfg=dg.GemvConfig(8, 32, 1))
+    from backend_lib.layers.fused_ops import silu_and_mul
+    assert torch.equal(y, silu_and_mul(gate_up))
+
+
 def test_rejects_bad_shapes_with_the_field_named():
     dg = _dg()
     w = torch.zeros(8, 16, device=DEVICE)
