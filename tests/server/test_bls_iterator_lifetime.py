@@ -21,6 +21,9 @@ from .conftest import start_server
 from .util import StreamClient
 
 REQUESTS = 60
+# The control's stub usually dies within a few requests, but the race needs the stub's threads
+# to interleave: on a loaded 2-core machine it can take longer, so the control may run longer.
+CONTROL_REQUESTS = 400
 RESPONSES = 64
 
 STREAMER = '''
@@ -107,12 +110,12 @@ def _repo(tmp_path):
     return repo
 
 
-def _serve(srv, model: str) -> tuple[int, str]:
+def _serve(srv, model: str, requests: int = REQUESTS) -> tuple[int, str]:
     """Requests one at a time until one fails: (how many succeeded, the failure or "")."""
     stub = next(p.pid for p in procs.stubs(srv.proc.pid) if p.stub_model == model)
     sc = StreamClient(srv.grpc_url)
     try:
-        for i in range(REQUESTS):
+        for i in range(requests):
             c = sc.send(model, {"COUNT": np.array([RESPONSES], dtype=np.int32)}, f"{model}-{i}", batched=False)
             if not c.done.wait(30):
                 return i, "no FINAL within 30 s"
@@ -123,7 +126,7 @@ def _serve(srv, model: str) -> tuple[int, str]:
                 return i, f"read {got} of {RESPONSES} upstream responses"
             if stub not in {p.pid for p in procs.stubs(srv.proc.pid)}:
                 return i + 1, "the stub died"
-        return REQUESTS, ""
+        return requests, ""
     finally:
         try:
             sc.close()
@@ -136,8 +139,8 @@ def test_ended_bls_iterators_are_freed_with_the_gil(tmp_path):
     try:
         served, failure = _serve(srv, "reader_held")
         assert (served, failure) == (REQUESTS, ""), f"reader_held failed after {served} requests: {failure}"
-        served, failure = _serve(srv, "reader_dropping")
-        assert failure, (f"reader_dropping served all {REQUESTS} requests: the race this test forces no longer "
+        served, failure = _serve(srv, "reader_dropping", CONTROL_REQUESTS)
+        assert failure, (f"reader_dropping served all {CONTROL_REQUESTS} requests: the race this test forces no longer "
                          "kills the stub (tritonserver fixed it?), so it proves nothing about HeldIterators")
     finally:
         srv.stop()
