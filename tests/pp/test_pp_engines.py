@@ -84,11 +84,21 @@ from pp_workload import _cfg
 
 threading.Thread(target=lambda: LLMEngine(_cfg(sys.argv[1], pp=3, async_mode="off")), daemon=True).start()
 me = str(os.getpid())
+
+
+def stage_child(pid):  # a process may exit between listdir and the reads: not a child then
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = f.read().rsplit(")", 1)[1].split()[1]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return parent == me and b"multiprocessing-fork" in f.read()
+    except OSError:
+        return False
+
+
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline:  # the stage processes exist: they are starting up
-    kids = [p for p in os.listdir("/proc") if p.isdigit() and p != me
-            and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == me
-            and b"multiprocessing-fork" in open(f"/proc/{p}/cmdline", "rb").read()]
+    kids = [p for p in os.listdir("/proc") if p.isdigit() and p != me and stage_child(p)]
     if len(kids) == 2:
         print(" ".join(kids), flush=True)
         time.sleep(0.5)
