@@ -289,7 +289,45 @@ class Scheduler:
                 budget -= n
             if out.new_slots:
                 self.delay.admitted()
+        if self._step % bs == 0:
+            self._grow_ahead(out)
         return out
+
+    def _grow_ahead(self, out: SchedulerOutput) -> None:
+        """A growth epoch (every block_size steps): each running request takes now the next
+        KV block it would otherwise open before the next epoch (decoding one token a step),
+        so steady decode rows open their blocks on epoch steps only, and the steps between
+        carry no block-table update at all. An update costs the host the same fixed work
+        (table pack, upload, scatter) for one row as for hundreds, and with rows spread
+        over block phases nearly every step had one.
+
+        At most one block per request is held early, and only a block the request will
+        use (below its last possible position). Only free blocks holding no cached KV are
+        taken, leaving one per running request, so this never evicts a cached prefix or
+        takes the room the next steps' own growth needs; admissions went first."""
+        bs = self.blocks.block_size
+        spare = self.blocks.num_free_uncached - len(self.running)
+        if spare <= 0:
+            return
+        grow = []
+        for req in self.running:
+            end = len(req.block_ids) * bs  # the first position without a block
+            # end - computed < bs - 1: the request reaches `end` before the next epoch;
+            # the last position it may compute KV for is prompt + max outputs - 2 (the
+            # last output token is never an input)
+            if end - req.num_computed_tokens < bs - 1 and end <= req.num_prompt_tokens + req.max_output_tokens - 2:
+                grow.append(req)
+                if len(grow) == spare:
+                    break
+        if not grow:
+            return
+        # A request already in `grown` this step (admitted, or grown by the general path)
+        # keeps its entry: the runner reads block_ids[first:] when it plans the step.
+        listed = {id(r) for r, _ in out.grown}
+        for req, block in zip(grow, self.blocks.allocate(len(grow))):
+            if id(req) not in listed:
+                out.grown.append((req, len(req.block_ids)))
+            req.block_ids.append(block)
 
     def _grow_one_block(self, out: SchedulerOutput, req: Request, computed: int) -> bool:
         """A steady decode token that opens the next KV block: take one block if one is free
