@@ -124,11 +124,14 @@ def _is_int(v: object) -> bool:
 _request_counter = itertools.count()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """Engine-side state of one request. The scheduler owns the counters; the runner never
     mutates them. Equality is identity (eq=False): a request is one entity, and the scheduler's
     list removals compared every field of every request before it (~60 µs at 256 rows).
+    Slots: the scheduler's and update's per-row loops read and write a handful of fields of
+    every running request each step, and a slot is cheaper to reach than an instance dict
+    entry; no one sets other attributes on a request or pickles one.
 
     num_computed_tokens counts tokens whose KV has been *scheduled* (steps in flight
     included). num_output_placeholders counts decode tokens sampled on the device whose
