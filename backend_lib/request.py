@@ -168,6 +168,9 @@ class Request:
     # stop_token_ids), and the most outputs it may get (the scheduler also applies max_model_len).
     stop_ids: frozenset = field(init=False, default=frozenset(), repr=False)
     max_output_tokens: int = field(init=False, default=0)
+    # No min_tokens, stop sequences or logprobs: a new token needs only the stop-id lookup
+    # and the length check (Scheduler.update's short path; most requests).
+    plain_outputs: bool = field(init=False, default=True)
     # The prompt's ids as native int64 bytes, converted once: block hashing and the mixed
     # packing slice it instead of converting Python ints block by block.
     prompt_bytes: bytes = field(init=False, default=b"", repr=False)
@@ -178,6 +181,7 @@ class Request:
         sp = self.sampling
         self.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.eos_token_ids)
         self.max_output_tokens = sp.max_tokens
+        self.plain_outputs = sp.min_tokens == 0 and not sp.stop_sequences and sp.logprobs is None
 
     @property
     def num_tokens(self) -> int:

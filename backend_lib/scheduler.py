@@ -442,52 +442,57 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, sampled: Optional[Sequence[int]],
                logprobs: Optional[Sequence] = None) -> list[OutputRow]:
-        """Apply one step's sampled tokens (one per row, in row order; None when the step
-        produced none) and, when the step computed them, their logprobs (TokenLogprobs per
-        row); the outputs as rows (request.OUTPUT_FIELDS). Tokens of rows whose request has
-        finished meanwhile are discarded: the overshoot of a stop found one step late is
-        never streamed."""
+        """Apply one step's sampled tokens (Python ints, one per row, in row order; None when
+        the step produced none) and, when the step computed them, their logprobs
+        (TokenLogprobs per row); the outputs as rows (request.OUTPUT_FIELDS). Tokens of rows
+        whose request has finished meanwhile are discarded: the overshoot of a stop found one
+        step late is never streamed."""
         outputs = self._pending_finished
         self._pending_finished = []
         if sampled is None:
             return outputs
         # One pass over the rows, the per-row work inline (this runs for every row of every
-        # step): the stop checks read the request's derived stop_ids / max_output_tokens.
+        # step): the stop checks read the request's derived stop_ids / max_output_tokens, and
+        # a plain request (Request.plain_outputs) skips its sampling parameters altogether.
         finished = RequestStatus.FINISHED
         emit = outputs.append
-        num_new = 0
+        num_skipped = 0
         interval = self.stream_interval
         for (req, _, _, samples, _, _), token, lp in zip(sched.rows, sampled,
                                                         logprobs if logprobs is not None else _NO_LOGPROBS):
-            if not samples:
-                continue  # a non-final prefill chunk: its sample is meaningless
-            if req.status is finished:
+            if not samples or req.status is finished:
+                # a non-final prefill chunk (its sample is meaningless), or a finished request
+                num_skipped += 1
                 continue
-            token = int(token)
             req.num_output_placeholders -= 1
             out_ids = req.output_token_ids
             out_ids.append(token)
-            num_new += 1
             n_out = len(out_ids)
-            sp = req.sampling
-            n_lp = sp.logprobs
-            if n_lp is not None:
-                req.output_logprobs.append(lp.as_dict(token, n_lp))
-                req.cumulative_logprob += lp.logprob
-            if n_out >= sp.min_tokens and (token in req.stop_ids or (
-                    sp.stop_sequences and _ends_with_any(out_ids, sp.stop_sequences))):
+            if req.plain_outputs:
+                stop = token in req.stop_ids
+                one_new_token = True
+            else:
+                sp = req.sampling
+                n_lp = sp.logprobs
+                if n_lp is not None:
+                    req.output_logprobs.append(lp.as_dict(token, n_lp))
+                    req.cumulative_logprob += lp.logprob
+                stop = n_out >= sp.min_tokens and (token in req.stop_ids or (
+                    bool(sp.stop_sequences) and _ends_with_any(out_ids, sp.stop_sequences)))
+                one_new_token = n_lp is None
+            if stop:
                 self._finish(req, FinishReason.STOP, emit=False)
             elif n_out >= req.max_output_tokens:
                 self._finish(req, FinishReason.LENGTH, emit=False)
             elif interval > 1 and (n_out - 1) % interval:
                 continue  # held: it goes out with the interval's last token (or the request's end)
-            elif n_lp is None and req.num_streamed == n_out - 1:
+            elif one_new_token and req.num_streamed == n_out - 1:
                 # The common case of _output: exactly this token is new, the request goes on.
                 req.num_streamed = n_out
                 emit((req.request_id, [token], False, None, req.num_prompt_tokens, n_out, None, None, None, req.index))
                 continue
             emit(self._output(req))
-        self.stats.generation_tokens_total += num_new
+        self.stats.generation_tokens_total += len(sched.rows) - num_skipped
         return outputs
 
     def _output(self, req: Request) -> OutputRow:
