@@ -289,7 +289,7 @@ class Scheduler:
                 budget -= n
             if out.new_slots:
                 self.delay.admitted()
-        if self._step % bs == 0:
+        if self._step % bs == 0 and out.rows:  # an empty step is never launched: its table updates would be lost
             self._grow_ahead(out)
         return out
 
