@@ -72,6 +72,9 @@ class TokenHandoff:
         # Flat buffers: a step's [rows] ids or [rows, cols] packed rows fill a contiguous prefix.
         self._bufs = [torch.zeros(width * max_cols, dtype=torch.int64, pin_memory=pin) for _ in range(depth)]
         self._owners: list[Optional[StepHandle]] = [None] * depth
+        # Per ring buffer, its last (shape, view): steady decode publishes the same shape
+        # every step, and slicing + viewing a buffer costs the host two tensor ops.
+        self._views: list[tuple] = [((), None)] * depth
         self._next = 0
         self._time = time_steps and self.is_cuda
         self._last_end: Any = None
@@ -96,8 +99,11 @@ class TokenHandoff:
         if prev is not None and prev._tokens is None:
             # Ring deeper than the steps in flight makes this unreachable; wait, never clobber.
             prev.get()
-        rows = sampled[:num_rows]
-        buf = self._bufs[i][:rows.numel()].view(rows.shape)
+        rows = sampled if sampled.shape[0] == num_rows else sampled[:num_rows]
+        shape, buf = self._views[i]
+        if shape != rows.shape:
+            buf = self._bufs[i][:rows.numel()].view(rows.shape)
+            self._views[i] = (rows.shape, buf)
         buf.copy_(rows, non_blocking=self.is_cuda)
         done = self._event(timing=self._time)
         done.record()

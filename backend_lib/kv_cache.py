@@ -70,6 +70,11 @@ class BlockPool:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_free_uncached(self) -> int:
+        """Free blocks that hold no cached KV: allocating up to this many evicts nothing."""
+        return len(self._free)
+
+    @property
     def num_used(self) -> int:
         """Blocks held by at least one request (a shared block counts once)."""
         return self.num_usable - self.num_free

@@ -159,6 +159,8 @@ class ModelRunner:
     def plan_tables(self, sched: SchedulerOutput, eos_ids: tuple[int, ...]) -> Optional[TablePlan]:
         """Host side of the table updates, packed in one tensor (None when the step has none):
         admissions write their slot's sampling state, KV growth writes block-table entries."""
+        if not sched.new_slots and not sched.grown:
+            return None  # most steady decode steps (KV growth comes every block_size steps)
         up = self.pack_table_updates(sched, eos_ids)
         if not (up.ints or up.history[0] or up.growth[0]):
             return None
@@ -216,10 +218,15 @@ class ModelRunner:
                     history[1].extend(known)
                     history[2].extend([0] * req.num_prompt_tokens + [1] * len(req.output_token_ids))
         for req, first in sched.grown:
-            ids = req.block_ids[first:]
-            rows.extend([req.slot] * len(ids))
-            cols.extend(range(first, first + len(ids)))
-            vals.extend(ids)
+            blocks = req.block_ids
+            if len(blocks) == first + 1:  # one new block: a decode row's growth, the common entry
+                rows.append(req.slot)
+                cols.append(first)
+                vals.append(blocks[first])
+            else:
+                rows.extend([req.slot] * (len(blocks) - first))
+                cols.extend(range(first, len(blocks)))
+                vals.extend(blocks[first:])
         return TableUpdates(ints, floats, [rows, cols, vals], history)
 
     def apply_admissions(self, it: torch.Tensor, ft: torch.Tensor) -> None:

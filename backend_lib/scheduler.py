@@ -289,7 +289,45 @@ class Scheduler:
                 budget -= n
             if out.new_slots:
                 self.delay.admitted()
+        if self._step % bs == 0 and out.rows:  # an empty step is never launched: its table updates would be lost
+            self._grow_ahead(out)
         return out
+
+    def _grow_ahead(self, out: SchedulerOutput) -> None:
+        """A growth epoch (every block_size steps): each running request takes now the next
+        KV block it would otherwise open before the next epoch (decoding one token a step),
+        so steady decode rows open their blocks on epoch steps only, and the steps between
+        carry no block-table update at all. An update costs the host the same fixed work
+        (table pack, upload, scatter) for one row as for hundreds, and with rows spread
+        over block phases nearly every step had one.
+
+        At most one block per request is held early, and only a block the request will
+        use (below its last possible position). Only free blocks holding no cached KV are
+        taken, leaving one per running request, so this never evicts a cached prefix or
+        takes the room the next steps' own growth needs; admissions went first."""
+        bs = self.blocks.block_size
+        spare = self.blocks.num_free_uncached - len(self.running)
+        if spare <= 0:
+            return
+        grow = []
+        for req in self.running:
+            end = len(req.block_ids) * bs  # the first position without a block
+            # end - computed < bs - 1: the request reaches `end` before the next epoch;
+            # the last position it may compute KV for is prompt + max outputs - 2 (the
+            # last output token is never an input)
+            if end - req.num_computed_tokens < bs - 1 and end <= req.num_prompt_tokens + req.max_output_tokens - 2:
+                grow.append(req)
+                if len(grow) == spare:
+                    break
+        if not grow:
+            return
+        # A request already in `grown` this step (admitted, or grown by the general path)
+        # keeps its entry: the runner reads block_ids[first:] when it plans the step.
+        listed = {id(r) for r, _ in out.grown}
+        for req, block in zip(grow, self.blocks.allocate(len(grow))):
+            if id(req) not in listed:
+                out.grown.append((req, len(req.block_ids)))
+            req.block_ids.append(block)
 
     def _grow_one_block(self, out: SchedulerOutput, req: Request, computed: int) -> bool:
         """A steady decode token that opens the next KV block: take one block if one is free
@@ -404,52 +442,57 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, sampled: Optional[Sequence[int]],
                logprobs: Optional[Sequence] = None) -> list[OutputRow]:
-        """Apply one step's sampled tokens (one per row, in row order; None when the step
-        produced none) and, when the step computed them, their logprobs (TokenLogprobs per
-        row); the outputs as rows (request.OUTPUT_FIELDS). Tokens of rows whose request has
-        finished meanwhile are discarded: the overshoot of a stop found one step late is
-        never streamed."""
+        """Apply one step's sampled tokens (Python ints, one per row, in row order; None when
+        the step produced none) and, when the step computed them, their logprobs
+        (TokenLogprobs per row); the outputs as rows (request.OUTPUT_FIELDS). Tokens of rows
+        whose request has finished meanwhile are discarded: the overshoot of a stop found one
+        step late is never streamed."""
         outputs = self._pending_finished
         self._pending_finished = []
         if sampled is None:
             return outputs
         # One pass over the rows, the per-row work inline (this runs for every row of every
-        # step): the stop checks read the request's derived stop_ids / max_output_tokens.
+        # step): the stop checks read the request's derived stop_ids / max_output_tokens, and
+        # a plain request (Request.plain_outputs) skips its sampling parameters altogether.
         finished = RequestStatus.FINISHED
         emit = outputs.append
-        num_new = 0
+        num_skipped = 0
         interval = self.stream_interval
         for (req, _, _, samples, _, _), token, lp in zip(sched.rows, sampled,
                                                         logprobs if logprobs is not None else _NO_LOGPROBS):
-            if not samples:
-                continue  # a non-final prefill chunk: its sample is meaningless
-            if req.status is finished:
+            if not samples or req.status is finished:
+                # a non-final prefill chunk (its sample is meaningless), or a finished request
+                num_skipped += 1
                 continue
-            token = int(token)
             req.num_output_placeholders -= 1
             out_ids = req.output_token_ids
             out_ids.append(token)
-            num_new += 1
             n_out = len(out_ids)
-            sp = req.sampling
-            n_lp = sp.logprobs
-            if n_lp is not None:
-                req.output_logprobs.append(lp.as_dict(token, n_lp))
-                req.cumulative_logprob += lp.logprob
-            if n_out >= sp.min_tokens and (token in req.stop_ids or (
-                    sp.stop_sequences and _ends_with_any(out_ids, sp.stop_sequences))):
+            if req.plain_outputs:
+                stop = token in req.stop_ids
+                one_new_token = True
+            else:
+                sp = req.sampling
+                n_lp = sp.logprobs
+                if n_lp is not None:
+                    req.output_logprobs.append(lp.as_dict(token, n_lp))
+                    req.cumulative_logprob += lp.logprob
+                stop = n_out >= sp.min_tokens and (token in req.stop_ids or (
+                    bool(sp.stop_sequences) and _ends_with_any(out_ids, sp.stop_sequences)))
+                one_new_token = n_lp is None
+            if stop:
                 self._finish(req, FinishReason.STOP, emit=False)
             elif n_out >= req.max_output_tokens:
                 self._finish(req, FinishReason.LENGTH, emit=False)
             elif interval > 1 and (n_out - 1) % interval:
                 continue  # held: it goes out with the interval's last token (or the request's end)
-            elif n_lp is None and req.num_streamed == n_out - 1:
+            elif one_new_token and req.num_streamed == n_out - 1:
                 # The common case of _output: exactly this token is new, the request goes on.
                 req.num_streamed = n_out
                 emit((req.request_id, [token], False, None, req.num_prompt_tokens, n_out, None, None, None, req.index))
                 continue
             emit(self._output(req))
-        self.stats.generation_tokens_total += num_new
+        self.stats.generation_tokens_total += len(sched.rows) - num_skipped
         return outputs
 
     def _output(self, req: Request) -> OutputRow:

@@ -35,3 +35,18 @@ def test_absent_sections_are_none():
 def test_an_odd_number_of_floats_is_refused():
     with pytest.raises(ValueError, match="odd"):
         TablePlan.pack([[1]], [[0.5]], [[], [], []], [[], [], []], width=1, num_floats=1)
+
+
+def test_growth_entries_pack_every_new_block():
+    """KV growth rows (slot, block index, block id): an entry (req, first) stands for
+    req.block_ids[first:], one block (a decode row) or several (an admission, a chunk)."""
+    from types import SimpleNamespace
+
+    from backend_lib.model_runner import ModelRunner
+    one = SimpleNamespace(slot=4, block_ids=[7, 8, 9])
+    admitted = SimpleNamespace(slot=0, block_ids=[3, 5, 6])
+    chunk = SimpleNamespace(slot=2, block_ids=[11, 12, 13, 14])
+    sched = SimpleNamespace(new_slots=[], grown=[(one, 2), (admitted, 0), (chunk, 2)])
+    up = ModelRunner.pack_table_updates(None, sched, ())  # growth alone reads nothing of the runner
+    assert up.growth == [[4, 0, 0, 0, 2, 2], [2, 0, 1, 2, 2, 3], [9, 3, 5, 6, 13, 14]]
+    assert up.ints == [] and up.history == [[], [], []]
