@@ -112,16 +112,20 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def attend(self, qkv, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
-               fused: bool = False, pdl: bool = False):
+               fused: bool = False, pdl: bool = False, rotated: bool = False):
         """qkv projection's output -> attention output [T, q_size], before o_proj. pdl: the
-        fused kernels launch with programmatic dependent launch (layers/decode_gemv.py)."""
+        fused kernels launch with programmatic dependent launch (layers/decode_gemv.py).
+        rotated: q is already rotated and k/v already in the cache (the projection's epilogue
+        did it), so only attention runs."""
         s = self.s
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         k_cache, v_cache = kv_cache
-        if fused:  # one kernel: [q/k norm,] rotary (q in place), K/V into the paged cache
+        if rotated:
+            pass  # the q/k/v projection's epilogue rotated q in place and wrote k/v to the cache
+        elif fused:  # one kernel: [q/k norm,] rotary (q in place), K/V into the paged cache
             qn, kn = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
             q = fused_ops.rope_and_write_kv(q, k, v, rotary.cos_cache, rotary.sin_cache, positions,
                                             k_cache, v_cache, meta.slot_mapping, qn, kn, s.rms_norm_eps,
@@ -188,11 +192,8 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = gemv.run(h, attn.qkv_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln1.weight, ln1.eps, rope)
-        if rope is None:
-            o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True, pdl=gemv.pdl)
-        else:
-            q = qkv[:, :attn.q_size].view(-1, s.num_heads, s.head_dim)
-            o = paged_attention(q, *kv_cache, meta, attn.scale, pdl=gemv.pdl).reshape(-1, attn.q_size)
+        o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True, pdl=gemv.pdl,
+                        rotated=rope is not None)
         h, _ = gemv.run(o.contiguous(), attn.o_proj)
         gate_up, residual = gemv.run(h, mlp.gate_up_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln2.weight, ln2.eps)
