@@ -122,6 +122,13 @@ class Clients:
             self._handed[f] = total
         return dataclasses.replace(stats, **mine)
 
+    def last_stats(self, stats) -> list[tuple[int, object]]:
+        """(client, its share of `stats`) for every client: sent unasked when the engine dies,
+        so the counters of the steps since a client last asked are not lost with the core."""
+        with self.lock:
+            cids = list(self.conns)
+        return [(cid, self.share(cid, stats)) for cid in cids]
+
     def close_listener(self) -> None:
         """Stop taking clients (the engine stops)."""
         with self.lock:

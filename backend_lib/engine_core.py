@@ -160,6 +160,11 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
     except BaseException as e:  # noqa: BLE001 - engine death: the clients fail every request
         logger.exception("engine core loop died")
         clients.close_listener()
+        try:
+            for cid, share in clients.last_stats(eng.stats()):
+                out.control((wire.STATS, wire.UNASKED_STATS, share), cid)
+        except Exception:  # noqa: BLE001 - the counters are lost; the requests still fail below
+            logger.exception("engine stats after the loop died")
         out.control((wire.DIED, repr(e)))
         out.close()
         return 1

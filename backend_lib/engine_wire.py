@@ -22,6 +22,7 @@ START = "start"      # (START, EngineConfig, fault_after_steps): the first messa
 ADD = "add"          # (ADD, request_id, prompt ids, SamplingParams)
 ABORT = "abort"      # (ABORT, request_id)
 STATS = "stats"      # (STATS, seq): reply (STATS, seq, EngineStats)
+UNASKED_STATS = -1   # the seq of the stats the core sends each client as its loop dies (before DIED)
 STOP = "stop"        # (STOP,): abort everything, deliver the finals, reply (STOPPED,), exit
 
 # ---- core -> parent messages ------------------------------------------------------------------

@@ -124,10 +124,25 @@ class BodyLimitProxy:
         for task in list(self._active):
             task.cancel()
 
-    def stop(self) -> None:
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
+    def stop(self, message: Optional[str] = None, drain_s: float = 3.0) -> None:
+        """Close the front. With `message` (tritonserver is gone): first end every proxied
+        request with it, as fail_inflight does, and wait up to drain_s for those endings to be
+        written. Without that wait, a stream whose upstream read had not yet seen the break
+        would be closed bare, which clients read as a clean end of a truncated stream."""
+        if self._loop is None or self._thread is None or not self._thread.is_alive():
+            return
+        if message is not None:
+            self._loop.call_soon_threadsafe(self._fail_all, message)
+            try:
+                asyncio.run_coroutine_threadsafe(self._drain(drain_s), self._loop).result(drain_s + 1)
+            except Exception:  # noqa: BLE001 - a loop already stopping: close anyway
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    async def _drain(self, timeout: float) -> None:
+        if self._active:
+            await asyncio.wait(list(self._active), timeout=timeout)
 
     async def _start(self) -> None:
         from aiohttp import ClientSession, ClientTimeout, TCPConnector, web

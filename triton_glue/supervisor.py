@@ -170,7 +170,9 @@ class Supervisor:
     # poll saw it ready (a test did it 0.35 s after ready, between two 0.5 s polls)
     startup_poll_s: float = 0.05
     startup_timeout_s: Optional[float] = None  # not ready this long after the start: stop it
-    on_stop: Optional[Callable[[], None]] = None   # e.g. close the HTTP front
+    # once tritonserver has exited, with words for the streams it left open ("tritonserver died
+    # of SIGKILL before this stream's final response"): e.g. end them and close the HTTP front
+    on_stop: Optional[Callable[[str], None]] = None
     on_stub_death: Optional[Callable[[str], None]] = None  # e.g. end the HTTP front's streams
     # tritonserver's HTTP health: "ready", "down" (the endpoint resets or refuses connections:
     # after it served, a shutdown, e.g. SIGINT sent to tritonserver itself) or "unknown"
@@ -223,7 +225,8 @@ class Supervisor:
                 log(f"error: tritonserver {exit_words(rc)} without being asked to stop"
                     + ("; its clients' streams ended there" if self._was_ready else " (before it was ready)"))
             if self.on_stop is not None:
-                self.on_stop()
+                self.on_stop(f"tritonserver {exit_words(rc) if rc is not None else 'was lost'} "
+                             f"before this stream's final response")
             self._cleanup()
         if (self._stub_died is not None or self._never_ready) and not crashed:
             return 1

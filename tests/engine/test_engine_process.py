@@ -15,6 +15,7 @@ import time
 import pytest
 
 from backend_lib import AsyncEngine, EngineConfig, EngineProcessClient, SamplingParams
+from backend_lib.core_clients import COUNTER_FIELDS
 from engine_helpers import greedy, process_alive, make_engine
 from test_async_engine import KW, _wait, assert_abort_by_id, assert_streams_equal_generate, generate_reference  # noqa: F401 (a fixture)
 
@@ -245,14 +246,22 @@ def _fail_both(path, after_steps):
             _wait(lambda: not eng.is_healthy(), 10)
             with pytest.raises(RuntimeError) as late:
                 eng.add_request("c", [5], greedy(3))
-            res.append((outs, str(late.value)))
+            st = eng.stats()
+            res.append((outs, str(late.value), {f: getattr(st, f) for f in COUNTER_FIELDS}))
         finally:
             eng.shutdown(timeout=5)
     return res
 
 
 def test_engine_death_like_the_in_process_engine(path):
-    (want, want_late), (got, got_late) = _fail_both(path, 12)
+    """Outputs, the error and the late refusal as in-process; the counters of the steps the
+    core ran before it died reach the client too (the core sends them with its death)."""
+    (want, want_late, want_counts), (got, got_late, got_counts) = _fail_both(path, 12)
+    assert want_counts["async_steps_total"] > 0 and want_counts["generation_tokens_total"] == len(
+        sum((o.new_token_ids for o in want), []))
+    for timed in ("step_time_s", "wait_time_s"):  # seconds: each run its own
+        assert got_counts.pop(timed) > 0 and want_counts.pop(timed) > 0
+    assert got_counts == want_counts
     assert [(o.new_token_ids, o.finished, o.finish_reason, o.error) for o in got] == \
         [(o.new_token_ids, o.finished, o.finish_reason, o.error) for o in want]
     assert str(got[-1].finish_reason) == "error"

@@ -147,3 +147,25 @@ def test_event_streams_pass_and_fail_inflight_ends_them_with_an_error(front):
     assert events[3:] == [{"error": "the Python stub of model 'llm' died"}]
     status, text = request(port, "GET", "/v2/models/m")
     assert status == 503 and "died" in text
+
+
+def test_stop_with_a_message_ends_live_event_streams_with_it_before_the_front_closes(front):
+    """tritonserver died (the supervisor stops the front at once): a stream whose upstream read
+    has not yet seen the break still gets an error event naming the death, not a bare close
+    (which http.client reads as a clean end)."""
+    first, _, _ = front
+    proxy = BodyLimitProxy("127.0.0.1", 0, first.upstream_port, LIMIT)
+    proxy.start()
+    message = "tritonserver died of SIGKILL before this stream's final response"
+
+    def stop_after_three(events):
+        if len(events) == 3:
+            proxy.stop(message)
+
+    t0 = time.monotonic()
+    events = events_of(proxy.port, "/v2/models/m/generate_stream", stop_after_three)
+    assert events == [{"i": 0}, {"i": 1}, {"i": 2}, {"error": message}]
+    assert time.monotonic() - t0 < 5
+    assert not proxy._thread.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        request(proxy.port, "GET", "/v2/models/m")
