@@ -16,6 +16,7 @@ end). SIGINT and SIGTERM are ignored (they reach process groups; the clients dec
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import queue
@@ -193,6 +194,9 @@ def main(argv: list[str]) -> int:
     # the parent-death SIGKILL) and on the parent's kill.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # `kill -USR1 <core pid>`: every thread's Python stack into the server log (a core that
+    # does not exit, or does not answer, says where it waits)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     conn = Connection(fd)
     try:
         return serve(conn, listener)

@@ -102,10 +102,19 @@ def test_two_instances_share_one_engine(tmp_path, reference_engine):
         status, text = http_post(srv.http_url, "/v2/repository/models/llm/unload", {},
                                  headers={"triton-access-key": ACCESS_KEY}, timeout=60)
         assert status == 200, text
-        assert wait_for(lambda: not engine_cores(srv), 30), engine_cores(srv)
+        assert wait_for(lambda: not engine_cores(srv), 30), _where_cores_wait(srv)
         assert wait_for(lambda: not [p for p in procs.stubs(srv.proc.pid) if p.stub_model == "llm"], 30)
     finally:
         srv.stop()
+
+
+def _where_cores_wait(srv) -> tuple:
+    """The cores still alive, and their threads' Python stacks (SIGUSR1: faulthandler)."""
+    cores = engine_cores(srv)
+    for p in cores:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    return cores, srv.log_tail(200)
 
 
 def test_killed_server_leaves_no_shared_core(tmp_path):
