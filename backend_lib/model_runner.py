@@ -347,12 +347,9 @@ class ModelRunner:
             logits = raw = logits.float()
             if logprobs and masks:
                 logits = logits.clone()  # logprobs are of the raw logits; masks/penalties write in place
-        st = SamplingTensors(
-            temperature=self.temperature[slot_c], top_k=self.top_k[slot_c], top_p=self.top_p[slot_c],
-            seed=self.seed[slot_c], position=next_pos, banned_ids=self.banned[slot_c],
-            min_stop_ids=self.min_stop[slot_c],
-            min_tokens_left=self.min_tokens[slot_c] - (next_pos - self.prompt_len[slot_c]),
-            min_p=self.min_p[slot_c])
+        # Plain greedy reads none of the per-row sampling state: its ~11 gathers would be
+        # kernels of every greedy step (CUDA graph included) for nothing.
+        st = self.sampling_tensors(slot_c, next_pos) if masks or not greedy else None
         clean_rows = None
         if masks and native and greedy:
             logits = self.penalties.upcast_apply(logits, slot_c)  # the float32 copy masks write into
@@ -368,6 +365,15 @@ class ModelRunner:
             counted = slot_c if samples is None else torch.where(samples, slot_c, self.scratch_slot)
             self.penalties.count_sampled(counted, tokens)
         return pack_tokens_and_logprobs(raw, tokens, MAX_LOGPROBS) if logprobs else tokens
+
+    def sampling_tensors(self, slot_c: torch.Tensor, next_pos: torch.Tensor) -> SamplingTensors:
+        """The rows' sampling state, gathered from the per-slot tables."""
+        return SamplingTensors(
+            temperature=self.temperature[slot_c], top_k=self.top_k[slot_c], top_p=self.top_p[slot_c],
+            seed=self.seed[slot_c], position=next_pos, banned_ids=self.banned[slot_c],
+            min_stop_ids=self.min_stop[slot_c],
+            min_tokens_left=self.min_tokens[slot_c] - (next_pos - self.prompt_len[slot_c]),
+            min_p=self.min_p[slot_c])
 
     # ---- mixed / prefill steps (eager) ------------------------------------------------------
     def _mixed_step(self, m: MixedPlan, greedy: bool, masks: bool, logprobs: bool):

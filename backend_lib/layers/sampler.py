@@ -138,11 +138,12 @@ def _use_kernels(logits: torch.Tensor) -> bool:
     return sampling_kernels.available()
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, all_greedy: bool, use_masks: bool,
+def sample(logits: torch.Tensor, st: Optional[SamplingTensors], all_greedy: bool, use_masks: bool,
            clean_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """logits [S, V] float32 (or the model's dtype, where native_logits_ok) -> token ids [S]
     int64. `all_greedy`/`use_masks` are host flags
-    known at scheduling time; they pick a cheaper program, never change the result.
+    known at scheduling time; they pick a cheaper program, never change the result (`st`
+    may be None when all_greedy and not use_masks: nothing reads it then).
     `use_masks` covers every per-row filter: banned ids, min_tokens, top-k, top-p and min_p.
     Modifies `logits` in place when `use_masks` (callers that still need the raw logits,
     for logprobs, pass a copy). clean_rows=(raw, written) (CUDA split kernels, not all
