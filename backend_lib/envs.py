@@ -76,6 +76,16 @@ def decode_gemv() -> str:
     return _switch(DECODE_GEMV_ENV, ("implicit", "pdl", "nopdl"))
 
 
+# The decode program's per-row inputs (ids, slots, KV slots, block tables, lengths; see
+# backend_lib/layers/decode_prep.py) on CUDA: on (one Triton kernel, the default) or off (the
+# ~20 torch ops it replaces).
+DECODE_PREP_ENV = "BACKEND_LIB_DECODE_PREP"
+
+
+def decode_prep() -> str:
+    return _switch(DECODE_PREP_ENV)
+
+
 # Sampling kernels on CUDA: split (the default: each row spread across many programs,
 # layers/sampling_split.py and logprobs_kernels.py) or rows (one program per row,
 # layers/sampling_kernels.py, torch logprobs and masks). On the H200 split is faster at every

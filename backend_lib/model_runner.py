@@ -29,6 +29,7 @@ from .mixed_graphs import MixedGraphs, MixedMeta, mixed_buckets, parse_token_buc
 from .mixed_pack import MixedRows, pack_rows
 from .layers.attention import AttentionMetadata
 from .layers import decode_gemv, skinny_gemm
+from .layers.decode_prep import decode_inputs
 from .layers.logprobs import MAX_LOGPROBS, pack_tokens_and_logprobs, packed_width
 from .layers.penalties import PenaltyState
 from .layers.sampler import SamplingTensors, native_logits_ok, sample
@@ -309,32 +310,26 @@ class ModelRunner:
 
     # ---- decode: one token per row, fixed shapes (the CUDA-graph program) ------------------
     def _decode_program(self, meta: DecodeMeta, greedy: bool, masks: bool, logprobs: bool = False) -> torch.Tensor:
-        valid = meta.slot >= 0
-        slot_c = torch.where(valid, meta.slot, self.scratch_slot)
-        pos = meta.pos
-        ids = self.gather_input_ids(meta.ids, meta.relay_src)
-        tables = self.block_table[slot_c]
-        blk = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).long()
-        slot_mapping = torch.where(valid, blk * self.block_size + pos % self.block_size, 0)
-        seq_lens = torch.where(valid, pos + 1, 0).to(torch.int32)
-        attn = AttentionMetadata(slot_mapping, tables, seq_lens, None, 1, True)
+        # (also leaves meta.pos describing the same rows' next decode step, so that a graph
+        # replayed for unchanged rows needs no upload and no kernel outside the graph:
+        # decode_graphs.DecodeGraphs.launch)
+        d = decode_inputs(meta, self.relay, self.block_table, self.block_size, self.scratch_slot)
+        attn = AttentionMetadata(d.slot_mapping, d.tables, d.seq_lens, None, 1, True)
         if self.device.type == "cpu":
-            attn.seq_lens_host = seq_lens.tolist()
+            attn.seq_lens_host = d.seq_lens.tolist()
             attn.q_lens_host = [1] * len(attn.seq_lens_host)
-        hidden = self.model(ids, pos, self.kv_caches, attn)
-        out = self._sample_and_relay(hidden, slot_c, valid & (meta.samples > 0), pos + 1, greedy, masks,
-                                     logprobs)
-        # Last, after every read of the positions: leave the metadata describing the same
-        # rows' next decode step, so that a graph replayed for unchanged rows needs no upload
-        # and no kernel outside the graph (decode_graphs.DecodeGraphs.launch).
-        meta.pos.add_(valid)
-        return out
+        hidden = self.model(d.ids, d.positions, self.kv_caches, attn)
+        return self._sample_and_relay(hidden, d.slot, d.samples, d.next_pos, greedy, masks, logprobs,
+                                      relay_dst=d.relay_dst)
 
-    def _sample_and_relay(self, hidden, slot_c, samples, next_pos, greedy, masks, logprobs=False) -> torch.Tensor:
+    def _sample_and_relay(self, hidden, slot_c, samples, next_pos, greedy, masks, logprobs=False,
+                          relay_dst: Optional[torch.Tensor] = None) -> torch.Tensor:
         out = self.sample_rows(hidden, slot_c, next_pos, greedy, masks, logprobs, samples)
         tokens = out[:, 0] if logprobs else out
         # Relay: step n+1 gathers its input ids here, on the device, by slot.
-        self.relay[torch.where(samples, slot_c, self.scratch_slot)] = tokens
+        if relay_dst is None:
+            relay_dst = torch.where(samples, slot_c, self.scratch_slot)
+        self.relay[relay_dst] = tokens
         return out
 
     def sample_rows(self, hidden, slot_c, next_pos, greedy, masks, logprobs=False, samples=None) -> torch.Tensor:
