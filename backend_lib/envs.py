@@ -86,6 +86,19 @@ def decode_prep() -> str:
     return _switch(DECODE_PREP_ENV)
 
 
+# Split decode attention (backend_lib/layers/triton_attention.py): kernel (a second kernel
+# merges the splits' partial results, the default) or fused (the last split of each sequence
+# and kv head to finish merges them, counted with an atomic: one kernel less per layer).
+DECODE_ATTN_REDUCE_ENV = "BACKEND_LIB_DECODE_ATTN_REDUCE"
+
+
+def decode_attn_reduce() -> str:
+    v = os.environ.get(DECODE_ATTN_REDUCE_ENV, "kernel").strip().lower() or "kernel"
+    if v not in ("kernel", "fused"):
+        raise ValueError(f"{DECODE_ATTN_REDUCE_ENV}={v!r}: must be kernel or fused")
+    return v
+
+
 # Sampling kernels on CUDA: split (the default: each row spread across many programs,
 # layers/sampling_split.py and logprobs_kernels.py) or rows (one program per row,
 # layers/sampling_kernels.py, torch logprobs and masks). On the H200 split is faster at every

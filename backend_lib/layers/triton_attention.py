@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from .. import envs
 from .triton_support import num_sms, pdl_launch, pdl_release_dependents  # noqa: F401
 
 try:  # Triton is optional at import time (CPU-only CI machines).
@@ -67,7 +68,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_decode_kernel(
-        Q, K, V, BT, SL, O, PART_ACC, PART_M, PART_L,
+        Q, K, V, BT, SL, O, PART_ACC, PART_M, PART_L, COUNTERS,
         scale_log2e,
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
@@ -84,6 +85,8 @@ if HAS_TRITON:
         SPLIT: tl.constexpr,        # num_splits > 1: write partials for the reduce kernel
         DOT_PREC: tl.constexpr,
         USE_PDL: tl.constexpr = False,  # launched with PDL: release the next kernel, then wait
+        FUSED_REDUCE: tl.constexpr = False,  # SPLIT: the last split of a (seq, kv head) merges them here
+        SP: tl.constexpr = 2,       # FUSED_REDUCE: num_splits padded to a power of 2
     ):
         if USE_PDL:
             pdl_release_dependents()
@@ -105,6 +108,10 @@ if HAS_TRITON:
         if SPLIT:
             if sp >= n_tiles:
                 # No tile for this split: the reduce kernel ignores it (never reads it).
+                if FUSED_REDUCE:
+                    if sp == 0:  # a padding row (seq_len 0): no split runs, its output is zeros
+                        tl.store(O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                                 tl.zeros([GP, DP], O.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
                 return
 
         q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
@@ -151,6 +158,20 @@ if HAS_TRITON:
             tl.store(PART_ACC + row[:, None] * DP + offs_d[None, :], acc, mask=out_mask)
             tl.store(PART_M + row, m_i, mask=g_mask)
             tl.store(PART_L + row, l_i, mask=g_mask)
+            if FUSED_REDUCE:
+                # Every split that ran counts itself in once its partials are stored (the
+                # barrier: all of this program's stores, the atomic's release: visible GPU-wide);
+                # the last one to count merges them, as the reduce kernel would, and leaves
+                # the counter at 0 for the next launch (CUDA graph replays included).
+                tl.debug_barrier()
+                counter = COUNTERS + b * tl.num_programs(1) + kvh
+                ran = tl.minimum(num_splits, n_tiles)
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == ran - 1:
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                    hq = tl.num_programs(1) * G
+                    for g in tl.static_range(G):
+                        _merge_splits(PART_ACC, PART_M, PART_L, O, b, kvh * G + g, hq, num_splits, ran,
+                                      stride_ob, stride_oh, D, DP, SP, ".cg")
 
     @triton.jit
     def _paged_decode_reduce_kernel(
@@ -169,23 +190,29 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
-        seq_len = tl.load(SL + b)
-        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        ran = tl.minimum(num_splits, tl.cdiv(tl.load(SL + b), BLOCK_N))   # only splits that ran
+        _merge_splits(PART_ACC, PART_M, PART_L, O, b, h, HQ, num_splits, ran, stride_ob, stride_oh,
+                      D, DP, SP, "")
 
+    @triton.jit
+    def _merge_splits(PART_ACC, PART_M, PART_L, O, b, h, HQ, num_splits, ran, stride_ob, stride_oh,
+                      D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, CACHE: tl.constexpr):
+        """Head h of row b: the `ran` splits' partial softmax states merged into O.
+        CACHE ".cg": read them from L2 (other programs of the same kernel wrote them)."""
         offs_s = tl.arange(0, SP)
         offs_d = tl.arange(0, DP)
-        s_mask = (offs_s < num_splits) & (offs_s < n_tiles)   # only splits that ran
+        s_mask = offs_s < ran
         d_mask = offs_d < D
         row = (b.to(tl.int64) * HQ + h) * num_splits + offs_s
 
-        m = tl.load(PART_M + row, mask=s_mask, other=float("-inf"))
-        l = tl.load(PART_L + row, mask=s_mask, other=0.0)
+        m = tl.load(PART_M + row, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
+        l = tl.load(PART_L + row, mask=s_mask, other=0.0, cache_modifier=CACHE)
         m_max = tl.max(m, 0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.where(s_mask, tl.exp2(m - m_max), 0.0)
         l_tot = tl.sum(l * w, 0)
         acc = tl.load(PART_ACC + row[:, None] * DP + offs_d[None, :],
-                      mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+                      mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE)
         o = tl.sum(acc * w[:, None], 0)
         l_safe = tl.where(l_tot > 0.0, l_tot, 1.0)
         o = o / l_safe
@@ -364,6 +391,25 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# k_cache.data_ptr() -> int32 counters, all 0 between launches: one set per layer's cache, so
+# that no two kernels that may run at once (two engines' streams) share a counter.
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def _split_counters(k_cache: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+    """The fused reduce's counters for `n` (sequence, kv head) pairs; None (use the reduce
+    kernel) where a larger set would have to be allocated inside a CUDA-graph capture (memory
+    of the graph's pool must not outlive it)."""
+    key = k_cache.data_ptr()
+    have = _COUNTERS.get(key)
+    if have is not None and have.numel() >= n and have.device == k_cache.device:
+        return have
+    if k_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    have = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=k_cache.device)
+    return have
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
                       block_n: int = 64, num_sms: int = 132) -> int:
     """Static split count for the decode kernel (depends only on shapes)."""
@@ -391,6 +437,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: Optional[int] = None,
     pdl: bool = False,
+    fused_reduce: Optional[bool] = None,
 ) -> torch.Tensor:
     """Single-token-per-sequence paged attention.
 
@@ -401,6 +448,9 @@ def paged_decode_attention(
     ``num_splits``/``block_n``/``num_warps``/``num_stages`` are tuning overrides; the
     defaults depend only on shapes, so the call is CUDA-graph capturable. pdl: launch both
     kernels with programmatic dependent launch (layers/decode_gemv.py explains the chain).
+    fused_reduce: with splits, the last split of each (sequence, kv head) to finish merges
+    them in the same kernel (no reduce kernel; per-layer counters, see _split_counters);
+    None: BACKEND_LIB_DECODE_ATTN_REDUCE (envs.decode_attn_reduce).
     """
     page, hkv, d, hq, g = _check_common(q, k_cache, v_cache)
     bsz = q.shape[0]
@@ -433,9 +483,14 @@ def paged_decode_attention(
         part_l = buf[n * dp + n4: n * dp + n4 + n]
     else:
         part_acc = part_m = part_l = out  # unused
+    if fused_reduce is None:
+        fused_reduce = envs.decode_attn_reduce() == "fused"
+    counters = _split_counters(k_cache, bsz * hkv) if fused_reduce and num_splits > 1 else None
+    sp = max(2, _next_pow2(num_splits))
 
     _paged_decode_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        counters if counters is not None else seq_lens,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -444,16 +499,16 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         num_splits,
         G=g, GP=gp, D=d, DP=dp, PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl,
+        DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=counters is not None, SP=sp,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         _paged_decode_reduce_kernel[(bsz, hq)](
             part_acc, part_m, part_l, seq_lens, out,
             out.stride(0), out.stride(1),
             hq, num_splits,
             D=d, DP=dp, BLOCK_N=block_n,
-            SP=max(2, _next_pow2(num_splits)), USE_PDL=pdl,
+            SP=sp, USE_PDL=pdl,
             num_warps=4 if dp * _next_pow2(num_splits) >= 4096 else 2, **pdl_launch(pdl),
         )
     return out
