@@ -16,6 +16,16 @@ if torch.cuda.is_available():
     pytest.importorskip("triton")
 
 
+def kernel_test_target(opt_in_var: str) -> tuple[bool, list, str]:
+    """(on_cpu, pytestmark, device) of a kernel test module: CUDA (marked gpu, skipped without
+    it), or the CPU under Triton's interpreter when TRITON_INTERPRET=1 and `opt_in_var`=1 are
+    both set (then nothing marks or skips the module)."""
+    if os.environ.get(opt_in_var) == "1" and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.importorskip("triton")
+        return True, [], "cpu"
+    return False, GPU_MARKS, "cuda"
+
+
 def seed_from_env(var: str) -> int:
     """Seed torch from $var, else from os.urandom; the seed (for failure messages)."""
     env = os.environ.get(var)

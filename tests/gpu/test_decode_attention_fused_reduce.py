@@ -10,22 +10,16 @@ merge logic is checked but not the memory ordering between programs):
      TRITON_INTERPRET=1 DECODE_ATTN_ON_CPU=1 python -m pytest -q tests/gpu/test_decode_attention_fused_reduce.py
 Seed: TRITON_ATTN_TEST_SEED reproduces one run.
 """
-import os
 
 import pytest
 
-from gpu_helpers import GPU_MARKS, seed_from_env, torch
+from gpu_helpers import kernel_test_target, seed_from_env, torch
 
-_ON_CPU = os.environ.get("DECODE_ATTN_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+_ON_CPU, pytestmark, DEV = kernel_test_target("DECODE_ATTN_ON_CPU")
 if _ON_CPU:
-    pytest.importorskip("triton")
-    pytestmark = []  # opted in by the two variables above
-    DEV = "cpu"
     DTYPES = [torch.float32]
     HEADS = [(14, 2, 64), (4, 4, 32)]
 else:
-    pytestmark = GPU_MARKS
-    DEV = "cuda"
     DTYPES = [torch.bfloat16, torch.float16, torch.float32]
     HEADS = [(14, 2, 64), (32, 8, 128), (12, 3, 32)]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}

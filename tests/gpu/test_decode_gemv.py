@@ -8,23 +8,17 @@ Also runs on CPU under Triton's interpreter (slow, small shapes):
      TRITON_INTERPRET=1 DECODE_GEMV_ON_CPU=1 python -m pytest -q tests/gpu/test_decode_gemv.py
 Seed: DECODE_GEMV_TEST_SEED reproduces one run. Speed is in bench/kernels.py, not asserted here.
 """
-import os
 
 import pytest
 
-from gpu_helpers import GPU_MARKS, seed_from_env, torch
+from gpu_helpers import kernel_test_target, seed_from_env, torch
 
-_ON_CPU = os.environ.get("DECODE_GEMV_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+_ON_CPU, pytestmark, DEVICE = kernel_test_target("DECODE_GEMV_ON_CPU")
 if _ON_CPU:
-    pytest.importorskip("triton")
-    pytestmark = []  # opted in by the two variables above
-    DEVICE = "cpu"
     # (N, K, bias): N not a multiple of any BLOCK_N, K not a multiple of any BLOCK_K
     SHAPES = [(40, 96, True), (17, 1030, False)]
     DTYPES = [torch.float32]
 else:
-    pytestmark = GPU_MARKS
-    DEVICE = "cuda"
     # the Qwen2.5-0.5B and Llama-3-8B projections, plus odd sizes
     SHAPES = [(1152, 896, True), (896, 896, False), (9728, 896, False), (896, 4864, False),
               (6144, 4096, False), (4096, 14336, False), (1000, 300, True), (17, 1030, True)]

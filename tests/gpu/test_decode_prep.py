@@ -8,20 +8,12 @@ Also runs on CPU under Triton's interpreter:
      TRITON_INTERPRET=1 DECODE_PREP_ON_CPU=1 python -m pytest -q tests/gpu/test_decode_prep.py
 Seed: DECODE_PREP_TEST_SEED reproduces one run.
 """
-import os
 
 import pytest
 
-from gpu_helpers import GPU_MARKS, seed_from_env, torch
+from gpu_helpers import kernel_test_target, seed_from_env, torch
 
-_ON_CPU = os.environ.get("DECODE_PREP_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-if _ON_CPU:
-    pytest.importorskip("triton")
-    pytestmark = []  # opted in by the two variables above
-    DEVICE = "cpu"
-else:
-    pytestmark = GPU_MARKS
-    DEVICE = "cuda"
+_ON_CPU, pytestmark, DEVICE = kernel_test_target("DECODE_PREP_ON_CPU")
 
 FIELDS = ("ids", "positions", "slot", "slot_mapping", "tables", "seq_lens", "samples", "relay_dst", "next_pos")
 

@@ -10,20 +10,12 @@ Also on CPU under Triton's interpreter (small shapes; needs the triton package):
 Seed: FLAT_ATTN_TEST_SEED reproduces one run.
 """
 import itertools
-import os
 
 import pytest
 
-from gpu_helpers import GPU_MARKS, seed_from_env, torch
+from gpu_helpers import kernel_test_target, seed_from_env, torch
 
-_ON_CPU = os.environ.get("FLAT_ATTN_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-if _ON_CPU:
-    pytest.importorskip("triton")
-    pytestmark = []  # opted in by the two variables above
-    DEV = "cpu"
-else:
-    pytestmark = GPU_MARKS
-    DEV = "cuda"
+_ON_CPU, pytestmark, DEV = kernel_test_target("FLAT_ATTN_ON_CPU")
 
 from backend_lib.layers.triton_attention import paged_prefill_attention, reference_paged_attention  # noqa: E402
 

@@ -6,20 +6,13 @@ Also runs on CPU under Triton's interpreter (slow, small shapes):
      TRITON_INTERPRET=1 SAMPLER_KERNELS_ON_CPU=1 python -m pytest -q tests/gpu/test_sampling_kernels.py
 Seed: SAMPLING_KERNELS_TEST_SEED reproduces one run.
 """
-import os
 
 import pytest
 
-from gpu_helpers import GPU_MARKS, seed_from_env, torch
+from gpu_helpers import kernel_test_target, seed_from_env, torch
 
-_ON_CPU = os.environ.get("SAMPLER_KERNELS_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-if _ON_CPU:
-    pytest.importorskip("triton")
-    pytestmark = []  # opted in by the two variables above
-    DEVICE, VOCAB, ROWS = "cpu", 1500, 8
-else:
-    pytestmark = GPU_MARKS
-    DEVICE, VOCAB, ROWS = "cuda", 151936, 64
+_ON_CPU, pytestmark, DEVICE = kernel_test_target("SAMPLER_KERNELS_ON_CPU")
+VOCAB, ROWS = (1500, 8) if _ON_CPU else (151936, 64)
 
 
 def _tensors(rows, temperature, top_k, top_p, min_p, seed0):
