@@ -95,7 +95,8 @@ def test_prefix_cache_metrics(server):
 
 
 def _scrape(server, names: list[str]) -> dict[str, float]:
-    """The samples of `names` (llm's labels) from ONE scrape: gauges set from one stats export."""
+    """The samples of `names` (llm's labels) from one scrape. A scrape can fall between two gauge
+    sets of one stats export: compare gauges only in a scrape that waited for agreement."""
     out = {}
     for line in server.metrics_text().splitlines():
         for n in names:
@@ -115,11 +116,17 @@ def test_vllm_kv_cache_usage_follows_the_engine(server):
     try:
         c = sc.send("llm", {"input_ids": np.array([[5, 6, 7, 8]], dtype=np.int32), "max_tokens": 1500,
                             "ignore_eos": True, "temperature": 0.0, "stream": True}, "kvu")
+        # One stats export sets the gauges one after another, and a scrape can land between two
+        # of those sets (Triton's metrics are not a transaction): wait for a scrape that falls
+        # between exports. A wrong mapping never gives one.
+        def consistent(m):
+            return (m.get("llm_kv_blocks_used", 0) > 0
+                    and m["vllm:gpu_cache_usage_perc"] == m["vllm:kv_cache_usage_perc"]
+                    and m["vllm:kv_cache_usage_perc"] == pytest.approx(m["llm_kv_blocks_used"]
+                                                                       / m["llm_kv_blocks_total"]))
         seen = []
-        assert wait_for(lambda: seen.append(_scrape(server, names)) or seen[-1].get("llm_kv_blocks_used", 0) > 0, 20)
+        assert wait_for(lambda: seen.append(_scrape(server, names)) or consistent(seen[-1]), 20), seen[-3:]
         m = seen[-1]
-        assert m["vllm:gpu_cache_usage_perc"] == m["vllm:kv_cache_usage_perc"]
-        assert m["vllm:kv_cache_usage_perc"] == pytest.approx(m["llm_kv_blocks_used"] / m["llm_kv_blocks_total"])
         assert 0 < m["vllm:kv_cache_usage_perc"] < 1
         assert m["vllm:num_preemptions_total"] == m["llm_preemptions_total"]
     finally:
