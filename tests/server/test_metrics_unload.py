@@ -38,7 +38,12 @@ def test_metrics_are_exact(server):
     status, _ = http_post(server.http_url, "/v2/models/llm/generate", {"input_ids": [1], "max_tokens": 0})
     assert status == 400
     assert wait_for(server.idle, 10)
-    time.sleep(0.5)  # one stats export after the last step
+    # the counters reach the server with the next stats export (every stats_interval_ms; later
+    # on a loaded box): wait for the last of them, the finish counts, then read them all
+    assert wait_for(lambda: server.metric("llm_requests_finished_total", reason="length") - length0 >= 5
+                    and server.metric("llm_time_per_output_token_seconds_count")
+                    - before["llm_time_per_output_token_seconds_count"] >= 5, 20)
+    time.sleep(0.5)  # one more export: a count past the expected would show now
     d = {n: server.metric(n) - before[n] for n in names}
     assert d["llm_prompt_tokens_total"] == 25
     assert d["llm_generation_tokens_total"] == 20
@@ -85,7 +90,9 @@ def test_prefix_cache_metrics(server):
             assert not c.errors, c.errors
             outs.append(sum(c.ids(), []))
             assert wait_for(server.idle, 10)
-            time.sleep(0.5)  # one stats export after the last step
+            # the counters reach the server with the next stats export (later on a loaded box)
+            assert wait_for(lambda: server.metric(names[0]) - before[names[0]] >= 40, 20)
+            time.sleep(0.5)  # one more export: a count past the expected would show now
             deltas.append({n: server.metric(n) - before[n] for n in names})
     finally:
         sc.close()

@@ -78,7 +78,9 @@ def test_two_instances_share_one_engine(tmp_path, reference_engine):
         # each instance exports its own requests' counts and its share of the engine's own
         # counters: the sums are the totals (every admission looks its prompt up in the prefix
         # cache), not once per instance
-        time.sleep(1.0)  # a stats export after the last step, on both instances
+        # a stats export after the last step, on both instances (later on a loaded box)
+        assert wait_for(lambda: srv.metric("llm_generation_tokens_total") - gen0 >= 2 * sum(lens), 20)
+        time.sleep(0.5)  # one more export: a count past the expected would show now
         assert srv.metric("llm_generation_tokens_total") - gen0 == 2 * sum(lens)
         assert srv.metric("llm_prefix_cache_queried_tokens_total") - queried0 == 2 * sum(map(len, prompts))
 
