@@ -50,7 +50,7 @@ class EngineConfig:
     enable_cuda_graph: bool = True
     cuda_graph_max_batch: int = 256         # largest captured decode bucket
     cuda_graph_mixed: bool = True           # steps with prefill chunks replay CUDA graphs too (mixed_graphs.py; with enable_cuda_graph)
-    cuda_graph_mixed_tokens: str = ""       # their token buckets, e.g. "64,256,1024"; "": mixed_graphs.default_token_buckets
+    cuda_graph_mixed_tokens: str = ""       # their token buckets, e.g. "64,256,1024"; "": graph_buckets.default_token_buckets
     scheduler_delay_factor: float = 0.0     # vLLM's: new prompts wait until the oldest has waited this x an admitting step's latency (admission_delay.py; 0: at once)
     stream_interval: int = 1                # SGLang's: a request's tokens go out with its first token, then every this many, and at its end (1: each token)
     pipeline_parallel_size: int = 1
@@ -98,7 +98,7 @@ class EngineConfig:
             fail("num_kv_blocks", "must be 0 (auto) or >= 2")
         if not isinstance(self.cuda_graph_mixed_tokens, str):
             fail("cuda_graph_mixed_tokens", "must be a comma list of token counts (a string)")
-        from .mixed_graphs import parse_token_buckets
+        from .graph_buckets import parse_token_buckets
         parse_token_buckets(self.cuda_graph_mixed_tokens, self.max_num_batched_tokens)  # raises, naming the field
 
     # ---- Triton parameters ------------------------------------------------------------

@@ -18,7 +18,7 @@ import random
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -26,6 +26,7 @@ import torch
 from . import envs
 from .admission_delay import AdmissionDelay
 from .config import EngineConfig, resolve_async_handoff
+from .engine_stats import EngineStats
 from .kv_cache import BlockPool
 from .model_runner import ModelRunner
 from .models.loader import load_hf_config
@@ -38,27 +39,6 @@ logger = logging.getLogger("backend_lib")
 logger.setLevel(envs.log_level())
 
 _CPU_DEFAULT_KV_BLOCKS = 2048
-
-
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    async_steps_total: int = 0
-    sync_steps_total: int = 0
-    prefill_steps_total: int = 0    # steps that carried prefill chunks (mixed steps): more host work than a decode step
-    num_preemptions: int = 0
-    prefill_tokens_total: int = 0               # known tokens whose KV was computed (recomputation included)
-    prefix_cache_queried_tokens_total: int = 0  # tokens of admitted requests looked up in the prefix cache
-    prefix_cache_hit_tokens_total: int = 0      # of which served from the cache (not computed)
-    kv_blocks_cached: int = 0                   # blocks holding reusable prefix KV (held or evictable)
-    step_time_s: float = 0.0        # wall time inside step() since start
-    wait_time_s: float = 0.0        # of which: waiting on step events (host idle)
-    gpu_idle_gap_us: list[float] = field(default_factory=list)
 
 
 class LLMEngine:

@@ -41,12 +41,12 @@ from typing import Optional, Sequence
 
 from . import engine_wire as wire
 from . import envs, shared_core
-from .async_engine import STALL_POLL_S, Callback, OutputSinks, RequestStream, _checked_delivery_threads
 from .config import EngineConfig
 from .delivery import Delivery
-from .engine import EngineStats
+from .engine_stats import EngineStats
 from .interpreter import python_executable
 from .os_threads import NamedThread
+from .output_sinks import STALL_POLL_S, Callback, OutputSinks, RequestStream, checked_delivery_threads
 from .request import FinishReason, RequestOutput, SamplingParams, validate_request
 from .wire_reader import FrameReader
 
@@ -72,7 +72,7 @@ class EngineProcessClient(OutputSinks):
         the client that started it (the llm model's key names its whole configuration)."""
         self.config = config
         self._merge_queued = merge_queued_outputs
-        self._delivery_threads = _checked_delivery_threads(delivery_threads)
+        self._delivery_threads = checked_delivery_threads(delivery_threads)
         self.error: Optional[BaseException] = None
         self._sinks: dict[str, tuple[RequestStream, Optional[Callback]]] = {}
         self._lock = threading.Lock()

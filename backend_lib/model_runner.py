@@ -25,7 +25,8 @@ from . import envs
 from .config import AsyncDecision, EngineConfig
 from .decode_graphs import DecodeGraphs, DecodeMeta, graph_buckets
 from .handoff import HostStaging, StepHandle, TokenHandoff, host_tensor
-from .mixed_graphs import MixedGraphs, MixedMeta, mixed_buckets, parse_token_buckets
+from .graph_buckets import mixed_buckets, parse_token_buckets
+from .mixed_graphs import MixedGraphs, MixedMeta
 from .mixed_pack import MixedRows, pack_rows
 from .layers.attention import AttentionMetadata
 from .layers import decode_gemv, skinny_gemm

@@ -10,7 +10,10 @@ from typing import Optional, Sequence
 
 from .config import is_number
 from .int64_pack import int64_bytes
-from .layers.logprobs import MAX_LOGPROBS
+
+# The engine-wide top-K of logprobs every step computes (layers/logprobs.py packs them); a
+# request asks for at most this many.
+MAX_LOGPROBS = 20
 
 MAX_N = 16  # SamplingParams.n
 

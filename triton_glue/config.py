@@ -74,7 +74,7 @@ def engine_process(model_config: Union[str, Mapping[str, Any]]) -> bool:
 
 def delivery_threads(model_config: Union[str, Mapping[str, Any]]) -> int:
     """The `delivery_threads` glue parameter, or ValueError naming it and its limits."""
-    from backend_lib.async_engine import MAX_DELIVERY_THREADS
+    from backend_lib.output_sinks import MAX_DELIVERY_THREADS
 
     raw = glue_parameter(model_config, "delivery_threads").strip()
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_DELIVERY_THREADS:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20
+from ..request import MAX_LOGPROBS
 
 
 def packed_width(k: int = MAX_LOGPROBS) -> int:

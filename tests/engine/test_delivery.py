@@ -165,10 +165,10 @@ def test_one_delivery_thread_is_the_filling_thread():
 def test_delivery_threads_out_of_range_name_the_parameter():
     import pytest
     from backend_lib.engine import EngineConfig  # noqa: F401 - the engines' constructors check it
-    from backend_lib.async_engine import _checked_delivery_threads
+    from backend_lib.output_sinks import checked_delivery_threads
     for bad in (0, 17, 2.0, True, "4"):
         with pytest.raises(ValueError, match="delivery_threads must be an integer from 1 to 16"):
-            _checked_delivery_threads(bad)
+            checked_delivery_threads(bad)
     from triton_glue.config import delivery_threads
     cfg = {"parameters": {"delivery_threads": {"string_value": "0"}}}
     with pytest.raises(ValueError, match="parameter 'delivery_threads' must be an integer from 1 to 16, not '0'"):

@@ -15,8 +15,8 @@ import torch
 from backend_lib import EngineConfig, SamplingParams
 from backend_lib.decode_graphs import GRAPH_VARIANTS
 from backend_lib.mixed_pack import MixedRows, pack_rows
-from backend_lib.mixed_graphs import (STARTUP_VARIANTS, MixedGraphs, MixedMeta, mixed_buckets, parse_token_buckets,
-                                      seq_buckets)
+from backend_lib.graph_buckets import mixed_buckets, parse_token_buckets, seq_buckets
+from backend_lib.mixed_graphs import STARTUP_VARIANTS, MixedGraphs, MixedMeta
 from engine_helpers import expected_from_reference, hf_greedy, make_engine, random_prompt, run_specs
 from test_async_vs_sync import ENGINE_KW, _check, workload  # noqa: F401  (the randomized workload fixture)
 from test_blocks import check_block_invariants

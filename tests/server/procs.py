@@ -71,3 +71,13 @@ def stubs(pgid: int) -> list[Proc]:
 def shm_left(regions: set[Optional[str]]) -> list[str]:
     # None: a stub seen before its argv was readable in full (it has no region to leave)
     return sorted(r for r in regions if r and (SHM_DIR / r).exists())
+
+
+def maps_library(pid: int, name: str) -> bool:
+    """Whether process `pid` has a shared library whose file name starts with `name` mapped
+    (e.g. "libtorch_cpu": torch was imported there)."""
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+    return any(os.path.basename(line.rsplit(" ", 1)[-1]).startswith(name) for line in text.splitlines())

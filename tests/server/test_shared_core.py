@@ -52,6 +52,9 @@ def test_two_instances_share_one_engine(tmp_path, reference_engine):
         assert len(engine_cores(srv)) == 1, [p.argv for p in engine_cores(srv)]
         log = srv.log_path.read_text(errors="replace")
         assert log.count("[llm] engine ready") == 2
+        # the stubs only talk to the core: torch is loaded in the core, never in a stub
+        assert procs.maps_library(engine_cores(srv)[0].pid, "libtorch_cpu")
+        assert [p.pid for p in llm_stubs if procs.maps_library(p.pid, "libtorch")] == []
 
         rng = random.Random(5)
         prompts = [[rng.randrange(4, 700) for _ in range(rng.randint(3, 40))] for _ in range(24)]

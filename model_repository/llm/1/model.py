@@ -193,7 +193,6 @@ class TritonPythonModel:
 
         in_process = not glue_config.engine_process(self.model_config)
         fault_after = int(glue_config.glue_parameter(self.model_config, "test_fault_after_steps"))
-        from backend_lib import AsyncEngine, EngineProcessClient
         delivery_threads = glue_config.delivery_threads(self.model_config)
         self.logger.log_info(f"[llm] starting engine ({'in process' if in_process else 'engine process'}, "
                              f"{delivery_threads} delivery thread(s)): {cfg.to_json()}")
@@ -204,7 +203,11 @@ class TritonPythonModel:
         # receives its own requests' tokens on its own GIL (bench/RESULTS.md).
         kw = {} if in_process else {"share_key": glue_config.engine_share_key(self.model_config, cfg, self.name,
                                                                               self.version)}
-        engine_cls = AsyncEngine if in_process else EngineProcessClient
+        # Imported here, one of the two: the engine process's client never loads torch in this stub.
+        if in_process:
+            from backend_lib import AsyncEngine as engine_cls
+        else:
+            from backend_lib import EngineProcessClient as engine_cls
         self.engine = engine_cls(cfg, merge_queued_outputs=self.coalesce, fault_after_steps=fault_after,
                                  delivery_threads=delivery_threads, **kw)
         if fault_after > 0:
