@@ -2,10 +2,25 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any, Mapping, Sequence
 
 from .config import load_tokenizer, parameters_of
 from .inputs import InputError
+
+
+def keep_torch_out() -> None:
+    """For a process that only tokenizes (the preprocessing, postprocessing and BLS stubs):
+    keep torch out of it. transformers imports torch whenever it is installed, though a
+    tokenizer needs none of it; that costs each such stub seconds of start-up and ~250 MB
+    (tests/server/test_shared_core.py checks the stubs' maps). A `None` in sys.modules makes
+    `import torch` fail and find_spec report it absent, so transformers runs its tokenizer-only
+    mode. A no-op where torch is already loaded (the in-process engine, test processes)."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+        # its "PyTorch was not found" advice is expected here, not a problem to report
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def model_tokenizer(args: Mapping[str, str]) -> tuple[dict, dict[str, str], Any]:

@@ -18,7 +18,10 @@ from triton_glue.batch import BatchSender  # noqa: E402
 from triton_glue.bls import BlsRoute, answers_in_band, error_response  # noqa: E402
 from triton_glue.inputs import InputError, reject_unknown_parameters  # noqa: E402
 from triton_glue.sequences import fan_out  # noqa: E402
+from triton_glue.tokenize import keep_torch_out  # noqa: E402
 from triton_glue.trtllm import parse_text_requests  # noqa: E402
+
+keep_torch_out()  # this stub only tokenizes: no torch in its process
 
 
 def _response(req, chunk):

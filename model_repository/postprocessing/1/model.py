@@ -15,7 +15,9 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from triton_glue.detokenizer import decode_delta  # noqa: E402
-from triton_glue.tokenize import model_tokenizer  # noqa: E402
+from triton_glue.tokenize import keep_torch_out, model_tokenizer  # noqa: E402
+
+keep_torch_out()  # this stub only tokenizes: no torch in its process
 
 
 class TritonPythonModel:

@@ -20,8 +20,11 @@ from triton_glue.config import parameters_of  # noqa: E402
 from triton_glue.inputs import client_parameters, reject_unknown_parameters, request_parameters  # noqa: E402
 from triton_glue.logprob_tensors import vllm_logprobs_json  # noqa: E402
 from triton_glue.sequences import SequenceJoiner, fan_out  # noqa: E402
+from triton_glue.tokenize import keep_torch_out  # noqa: E402
 from triton_glue.vllm_compat import SAMPLING_KEYS, parse_vllm_request  # noqa: E402
 from triton_glue.vllm_metrics import VllmRouteHooks, report_custom_metrics  # noqa: E402
+
+keep_torch_out()  # this stub only tokenizes: no torch in its process
 
 
 class _Responses:
