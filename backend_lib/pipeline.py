@@ -53,9 +53,9 @@ from .config import AsyncDecision, EngineConfig
 from .free_port import free_port
 from .handoff import StepHandle, TokenHandoff, _DoneEvent
 from .interpreter import python_executable
-from .process_lifetime import die_with_process
 from .layers.logprobs import packed_width
 from .model_runner import ADMISSION_FLOATS, ModelRunner
+from .pp_stage_entry import stage_process_main
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger("backend_lib")
@@ -237,11 +237,9 @@ def _device_backend(cfg: EngineConfig) -> str:
 
 
 # ---- worker processes ----------------------------------------------------------------------------
-def _worker_main(cfg: EngineConfig, rank: int, world: int, addr: str, port: int, layers: tuple[int, int],
-                 num_kv_blocks: int, max_model_len: int, backend: str, ready_q, stage0_pid: int) -> None:
-    # Once running, a stage sees stage 0 go through its connections; before they exist (loading
-    # the model, the 120 s rendezvous) nothing else would end it.
-    die_with_process(stage0_pid, "pp-stage-watch")
+def worker_main(cfg: EngineConfig, rank: int, world: int, addr: str, port: int, layers: tuple[int, int],
+                num_kv_blocks: int, max_model_len: int, backend: str, ready_q) -> None:
+    """A stage process's life (after pp_stage_entry armed its watch on stage 0)."""
     try:
         if envs.pp_forbid_objects():
             install_object_guard()
@@ -380,9 +378,9 @@ class PipelineExecutor:
         ready_q = ctx.Queue()
         self._procs = []
         for rank in range(1, pp):
-            p = ctx.Process(target=_worker_main, name=f"pp-stage-{rank}", daemon=True,
-                            args=(cfg, rank, pp, addr, port, self.ranges[rank], num_kv_blocks, max_model_len,
-                                  self.backend, ready_q, os.getpid()))
+            p = ctx.Process(target=stage_process_main, name=f"pp-stage-{rank}", daemon=True,
+                            args=(os.getpid(), cfg, rank, pp, addr, port, self.ranges[rank], num_kv_blocks,
+                                  max_model_len, self.backend, ready_q))
             p.start()
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _kill_all, list(self._procs))
