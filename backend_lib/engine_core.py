@@ -15,6 +15,7 @@ end). SIGINT and SIGTERM are ignored (they reach process groups; the clients dec
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -29,6 +30,7 @@ from typing import Optional
 
 from . import engine_wire as wire
 from .core_clients import GONE, Clients, Writer
+from .envs import core_profile_path
 from .process_lifetime import die_with_process
 from .os_threads import name_os_thread
 
@@ -145,19 +147,8 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
                 return None
 
     try:
-        while True:
-            ended = drain(block=not eng.has_unfinished())
-            if ended == "exit":
-                return 0
-            if ended == "stop":
-                for rid in list(eng.scheduler.requests):
-                    eng.abort(rid)
-                while eng.has_unfinished() or eng.scheduler.has_pending_outputs:
-                    out.steps(eng.step_rows())
-                out.control((wire.STOPPED,))  # to any client not released yet
-                out.close()
-                return 0
-            out.steps(eng.step_rows())
+        with _loop_profiled():
+            return _loop(eng, drain, out)
     except BaseException as e:  # noqa: BLE001 - engine death: the clients fail every request
         logger.exception("engine core loop died")
         clients.close_listener()
@@ -174,6 +165,23 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
             eng.close()  # pipeline stages: stop (or kill) the worker processes
         except Exception:  # noqa: BLE001
             logger.exception("engine close failed")
+
+
+def _loop(eng, drain, out) -> int:
+    """Step while there is work, applying the clients' commands between steps; 0 at the end."""
+    while True:
+        ended = drain(block=not eng.has_unfinished())
+        if ended == "exit":
+            return 0
+        if ended == "stop":
+            for rid in list(eng.scheduler.requests):
+                eng.abort(rid)
+            while eng.has_unfinished() or eng.scheduler.has_pending_outputs:
+                out.steps(eng.step_rows())
+            out.control((wire.STOPPED,))  # to any client not released yet
+            out.close()
+            return 0
+        out.steps(eng.step_rows())
 
 
 def main(argv: list[str]) -> int:
@@ -202,6 +210,23 @@ def main(argv: list[str]) -> int:
         return serve(conn, listener)
     except (EOFError, OSError):  # the parent went away during start-up
         return 1
+
+
+@contextlib.contextmanager
+def _loop_profiled():
+    """cProfile on this (the loop's) thread when BACKEND_LIB_CORE_PROFILE names a file."""
+    path = core_profile_path()
+    if not path:
+        yield
+        return
+    import cProfile
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        profile.dump_stats(path)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def decode_prep() -> str:
 
 # Split decode attention (backend_lib/layers/triton_attention.py): kernel (a second kernel
 # merges the splits' partial results, the default) or fused (the last split of each sequence
-# and kv head to finish merges them, counted with an atomic: one kernel less per layer).
+# and kv head to finish merges them, counted with an atomic: one kernel less per layer, but
+# slower on the H200: 0.5B batch 1 0.666 -> 0.776 ms, bench/RESULTS.md fourteenth session).
 DECODE_ATTN_REDUCE_ENV = "BACKEND_LIB_DECODE_ATTN_REDUCE"
 
 
@@ -147,6 +148,15 @@ MASTER_PORT_ENV = "MASTER_PORT"
 PP_TIMEOUT_ENV = "BACKEND_LIB_PP_TIMEOUT_S"
 # Seconds the worker stages may take to load their layers.
 PP_STARTUP_TIMEOUT_ENV = "BACKEND_LIB_PP_STARTUP_TIMEOUT_S"
+# Benchmarks: the engine core process profiles its loop thread with cProfile and writes the
+# stats (pstats format) to this path when it ends (bench/engine_process.py --core-profile).
+CORE_PROFILE_ENV = "BACKEND_LIB_CORE_PROFILE"
+
+
+def core_profile_path() -> str:
+    return os.environ.get(CORE_PROFILE_ENV, "").strip()
+
+
 # Test hook: object collectives (send_object_list, ...) raise in every stage.
 PP_FORBID_OBJECTS_ENV = "BACKEND_LIB_PP_FORBID_OBJECT_COLLECTIVES"
 

@@ -151,7 +151,12 @@ def main(argv=None) -> int:
     ap.add_argument("--null-math-us", type=float, default=0.0,
                     help="CPU: the real engine without model math behind an emulated device taking this many "
                          "µs a step (bench/null_math_engine.py), in process and in the engine process")
+    ap.add_argument("--core-profile", default="", metavar="FILE",
+                    help="cProfile the engine core's loop thread (pstats into FILE; the last process engine "
+                         "run wins) and print its top functions at the end")
     a = ap.parse_args(argv)
+    if a.core_profile:
+        os.environ["BACKEND_LIB_CORE_PROFILE"] = a.core_profile
     if a.null_math_us:
         _use_null_math(a)
     from backend_lib import AsyncEngine, EngineConfig, EngineProcessClient
@@ -184,6 +189,10 @@ def main(argv=None) -> int:
                 print(f"| {name} | {c} | {dt} | {r['tok_s']:.0f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | "
                       f"{r['steps_s']:.0f} | {r['in_step_ms']:.2f} | {r['wait_ms']:.2f} | {r['cpu_ms_step']:.2f} | "
                       f"{core} |", flush=True)
+    if a.core_profile and os.path.exists(a.core_profile):
+        import pstats
+        print(f"\nengine core loop thread, cProfile ({a.core_profile}):")
+        pstats.Stats(a.core_profile).sort_stats("tottime").print_stats(35)
     return 0
 
 
