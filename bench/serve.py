@@ -38,7 +38,8 @@ whose token count is not their max_tokens. GPU busy = mean nvidia-smi utilizatio
 every 100 ms over the point (CUDA only).
 
 Output: the markdown table on stdout and serve.md, every row in serve.json (--out-dir), both
-rewritten after every row. A server that does not start, or a part that fails, is recorded in
+rewritten after every row. --core-profile: each Triton server's engine core profiles its loop thread
+(cProfile, BACKEND_LIB_CORE_PROFILE) over the server's life: core-<variant>.prof and .txt. A server that does not start, or a part that fails, is recorded in
 the table's header and the run goes on (exit status 1); --time-budget skips the points not
 started in time and lists them there.
 """
@@ -67,6 +68,7 @@ from typing import Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+from backend_lib.envs import CORE_PROFILE_ENV  # noqa: E402
 from backend_lib.free_port import free_ports  # noqa: E402
 from bench import proc_cpu  # noqa: E402
 
@@ -468,7 +470,7 @@ def make_repository(root: Path, params: dict[str, str], with_text_models: bool =
 
 
 class TritonServer:
-    def __init__(self, repo: Path, log_path: Path, start_timeout_s: float):
+    def __init__(self, repo: Path, log_path: Path, start_timeout_s: float, core_profile: Optional[Path] = None):
         from triton_glue import launch
         inst = launch.find_triton()
         backend_dir = launch.prepare_backend_dir(inst)
@@ -478,6 +480,8 @@ class TritonServer:
                                     exit_timeout_s=30)
         env = launch.server_env(inst)
         env["TRITON_HTTP_PORT"] = str(self.http)
+        if core_profile is not None:  # the engine core (a child of the llm stub) inherits it
+            env[CORE_PROFILE_ENV] = str(core_profile)
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(launch.server_argv(inst, backend_dir, opts), env=env, stdout=self._log,
@@ -582,7 +586,8 @@ def run_triton(args, params, vocab, busy: GpuBusy, work: Path, report: "Report")
         if report.over_budget(label):
             continue
         try:
-            srv = TritonServer(repo, args.out_dir / f"server-{name or 'default'}.log", args.start_timeout)
+            profile = args.out_dir / f"core-{name or 'default'}.prof" if args.core_profile else None
+            srv = TritonServer(repo, args.out_dir / f"server-{name or 'default'}.log", args.start_timeout, profile)
         except RuntimeError as e:  # the other servers and parts still run
             log(f"{label}: {e}")
             why = [l.strip(" |") for l in str(e).splitlines() if "UNAVAILABLE" in l or "rror" in l]
@@ -604,12 +609,29 @@ def run_triton(args, params, vocab, busy: GpuBusy, work: Path, report: "Report")
                         mine.append(report.add(genai_point(args, srv, sampling, c, busy, work)))
         finally:
             srv.stop()
+        if profile is not None:
+            write_core_profile(profile, label)
         tracebacks = [l for l in srv.log_path.read_text(errors="replace").splitlines() if "Traceback" in l]
         if tracebacks:
             log(f"server log has {len(tracebacks)} Traceback(s): {srv.log_path}")
             for r in mine:
                 r["server_tracebacks"] = len(tracebacks)
             report.write()
+
+
+def write_core_profile(profile: Path, label: str, top: int = 30) -> None:
+    """--core-profile: the engine core's loop thread over the server's life (its points and
+    warm-ups; cProfile slows the loop, so read shares, not times), top functions by own time
+    into <profile>.txt beside the pstats file."""
+    import io
+    import pstats
+    if not profile.exists():
+        log(f"{label}: no core profile at {profile} (the core did not end through STOP)")
+        return
+    text = io.StringIO()
+    pstats.Stats(str(profile), stream=text).sort_stats("tottime").print_stats(top)
+    profile.with_suffix(".txt").write_text(f"{label}: engine core loop thread\n{text.getvalue()}")
+    log(f"{label}: core profile in {profile.with_suffix('.txt')}")
 
 
 # llm's counters a perf_analyzer point reads before and after: Triton's request counts and
@@ -875,6 +897,9 @@ def parse_args(argv=None):
     ap.add_argument("--keep-work", action="store_true", help="keep the temporary folder (repositories, "
                     "perf_analyzer inputs and profile exports)")
     ap.add_argument("--out-dir", default=os.environ.get("OUT") or str(REPO_ROOT / "build" / "serve_out"))
+    ap.add_argument("--core-profile", action="store_true",
+                    help="cProfile each Triton server's engine core loop thread: core-<variant>.prof and "
+                         ".txt (top functions) in --out-dir")
     a = ap.parse_args(argv)
     gpu = a.device == "cuda" or (a.device is None and a.preset and not a.smoke)
     a.device = a.device or ("cuda" if gpu else "cpu")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,14 +42,14 @@ def report(tmp_path_factory):
            "--min-requests", str(MIN_REQUESTS), "--warmup", "2", "--distinct-requests", "8",
            "--prompt-len", str(PROMPT), "--output-len", str(OUTPUT), "--mixed-prompt", "4-24",
            "--mixed-output", "2-10", "--mixed-requests", str(BURST), "--perf-analyzer", str(PA),
-           "--genai-perf", str(GENAI_PERF), "--genai-points", "%s:%d" % GENAI_POINT]
+           "--genai-perf", str(GENAI_PERF), "--genai-points", "%s:%d" % GENAI_POINT, "--core-profile"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return json.loads((out / "serve.json").read_text()), (out / "serve.md").read_text(), r.stdout
+    return json.loads((out / "serve.json").read_text()), (out / "serve.md").read_text(), r.stdout, out
 
 
 def test_every_row_with_all_its_requests_and_no_errors(report):
-    data, _, _ = report
+    data, _, _, _ = report
     rows = data["rows"]
     want = {("Triton", wl, s, c) for wl in ("fixed", "mixed") for s in SAMPLINGS for c in CONCURRENCY}
     want |= {("in-process AsyncEngine", wl, s, c) for wl in ("fixed", "mixed") for s in SAMPLINGS for c in CONCURRENCY}
@@ -87,7 +88,7 @@ def test_every_row_with_all_its_requests_and_no_errors(report):
 
 
 def test_markdown_table_has_a_line_per_row(report):
-    data, md, stdout = report
+    data, md, stdout, _ = report
     assert md in stdout
     lines = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| workload") and
              not l.startswith("| path")]
@@ -149,3 +150,21 @@ def test_profile_tpot_spans_first_to_last_token_response(tmp_path):
     assert row["output_tokens"] == 12 and row["errors"] == 0
     assert (row["ttft_ms_p50"], row["ttft_ms_p99"]) == (10.0, 30.0)  # nearest-rank percentiles
     assert (row["tpot_ms_p50"], row["tpot_ms_p99"]) == (0.0, (20 - 10) / 5)  # b: one burst; a: 2 ms a token
+
+
+def test_core_profile_of_the_served_engine(report):
+    """--core-profile: the Triton server's engine core profiled its loop thread from READY until
+    the server stopped it, and the run wrote the stats and their top functions."""
+    import pstats
+    data, _, _, out = report
+    prof = out / "core-default.prof"
+    calls = {f"{Path(file).name}:{name}": stat[1] for (file, _, name), stat in pstats.Stats(str(prof)).stats.items()}
+    triton_tokens = sum(r["output_tokens"] for r in data["rows"] if r["path"] == "Triton")
+    # every token the Triton points streamed came out of a step of this loop (at most a step per token
+    # of the largest point's concurrency: a step serves every running request)
+    assert calls["engine.py:step_rows"] >= triton_tokens / max(CONCURRENCY)
+    assert calls["engine_core.py:_loop"] == 1
+    text = (out / "core-default.txt").read_text()
+    assert text.startswith("Triton: engine core loop thread") and "Ordered by: internal time" in text
+    entries = [line for line in text.splitlines() if re.match(r"\s*\d+(/\d+)?\s+\d+\.\d+", line)]
+    assert len(entries) == 30, text  # the top 30 functions by own time
