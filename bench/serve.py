@@ -38,10 +38,11 @@ whose token count is not their max_tokens. GPU busy = mean nvidia-smi utilizatio
 every 100 ms over the point (CUDA only).
 
 Output: the markdown table on stdout and serve.md, every row in serve.json (--out-dir), both
-rewritten after every row. --core-profile: each Triton server's engine core profiles its loop thread
-(cProfile, BACKEND_LIB_CORE_PROFILE) over the server's life: core-<variant>.prof and .txt. A server that does not start, or a part that fails, is recorded in
+rewritten after every row. A server that does not start, or a part that fails, is recorded in
 the table's header and the run goes on (exit status 1); --time-budget skips the points not
-started in time and lists them there.
+started in time and lists them there. --core-profile: each Triton server's engine core profiles
+its loop thread (cProfile, BACKEND_LIB_CORE_PROFILE) over the server's life: core-<variant>.prof
+and .txt.
 """
 from __future__ import annotations
 
