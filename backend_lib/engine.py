@@ -12,6 +12,7 @@ The synchronous step is the same loop with zero steps in flight. Who launches a 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import random
@@ -288,13 +289,14 @@ def _parent_of(request_id: str) -> Optional[tuple[str, int]]:
 
 
 def _eos_ids(path: str, hf) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (what GenerationConfig.from_pretrained reads), else
+    config.json's."""
     ids: list[int] = []
     try:
-        from transformers import GenerationConfig
-        gen = GenerationConfig.from_pretrained(path)
-        eos = gen.eos_token_id
-    except (OSError, ValueError):
-        eos = getattr(hf, "eos_token_id", None)
+        with open(os.path.join(path, "generation_config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        eos = None
     if eos is None:
         eos = getattr(hf, "eos_token_id", None)
     if isinstance(eos, int):

@@ -9,20 +9,12 @@ from typing import Optional
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
 
+from .hf_config import load_hf_config  # noqa: F401 - the loader's API
 from .llama import DecoderModel
 from ..layers.rotary import RotaryEmbedding
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def load_hf_config(path: str):
-    if not os.path.isdir(path):
-        raise ValueError(f"model_path {path!r} is not a local checkpoint folder")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model_path {path!r} has no config.json (not a Hugging Face checkpoint folder)")
-    return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def _open_safetensors(file: str):
