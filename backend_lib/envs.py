@@ -88,8 +88,10 @@ def decode_prep() -> str:
 
 # Split decode attention (backend_lib/layers/triton_attention.py): kernel (a second kernel
 # merges the splits' partial results, the default) or fused (the last split of each sequence
-# and kv head to finish merges them, counted with an atomic: one kernel less per layer, but
-# slower on the H200: 0.5B batch 1 0.666 -> 0.776 ms, bench/RESULTS.md fourteenth session).
+# and kv head to finish merges them, counted with an atomic: one kernel less per layer). Off: on
+# the H200 it was slower (0.5B batch 1 0.666 -> 0.776 ms, bench/RESULTS.md fourteenth session)
+# while its last split merged the group's heads one after another; the merge of all heads at
+# once that replaced it is not measured yet.
 DECODE_ATTN_REDUCE_ENV = "BACKEND_LIB_DECODE_ATTN_REDUCE"
 
 

@@ -87,6 +87,8 @@ if HAS_TRITON:
         USE_PDL: tl.constexpr = False,  # launched with PDL: release the next kernel, then wait
         FUSED_REDUCE: tl.constexpr = False,  # SPLIT: the last split of a (seq, kv head) merges them here
         SP: tl.constexpr = 2,       # FUSED_REDUCE: num_splits padded to a power of 2
+        GM: tl.constexpr = 1,       # FUSED_REDUCE: G padded to a power of 2 (the merge's head rows)
+        MERGE_CHUNK: tl.constexpr = 8,  # FUSED_REDUCE: splits' partial outputs loaded at once
     ):
         if USE_PDL:
             pdl_release_dependents()
@@ -168,10 +170,8 @@ if HAS_TRITON:
                 ran = tl.minimum(num_splits, n_tiles)
                 if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == ran - 1:
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                    hq = tl.num_programs(1) * G
-                    for g in tl.static_range(G):
-                        _merge_splits(PART_ACC, PART_M, PART_L, O, b, kvh * G + g, hq, num_splits, ran,
-                                      stride_ob, stride_oh, D, DP, SP, ".cg")
+                    _merge_group(PART_ACC, PART_M, PART_L, O, b, kvh, tl.num_programs(1) * G, num_splits, ran,
+                                 stride_ob, stride_oh, G, GM, D, DP, SP, MERGE_CHUNK)
 
     @triton.jit
     def _paged_decode_reduce_kernel(
@@ -218,6 +218,42 @@ if HAS_TRITON:
         o = o / l_safe
         o_ptrs = O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=d_mask)
+
+    @triton.jit
+    def _merge_group(PART_ACC, PART_M, PART_L, O, b, kvh, HQ, num_splits, ran, stride_ob, stride_oh,
+                     G: tl.constexpr, GM: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+                     CHUNK: tl.constexpr):
+        """The fused reduce's merge: the G heads of kv head kvh of row b, all at once (one program
+        does it, after the last split finished: merging head after head, as _merge_splits does
+        for one, would chain ~3 L2 round trips per head on the step's critical path). Partials
+        are read with .cg: other programs of this kernel wrote them."""
+        offs_g = tl.arange(0, GM)
+        offs_s = tl.arange(0, SP)
+        offs_c = tl.arange(0, CHUNK)
+        offs_d = tl.arange(0, DP)
+        g_mask = offs_g < G
+        d_mask = offs_d < D
+        rows = (b.to(tl.int64) * HQ + kvh * G + offs_g) * num_splits      # [GM]: each head's split 0
+        gs_mask = g_mask[:, None] & (offs_s < ran)[None, :]
+        m = tl.load(PART_M + rows[:, None] + offs_s[None, :], mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(PART_L + rows[:, None] + offs_s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 1)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        l_tot = tl.sum(l * tl.where(gs_mask, tl.exp2(m - m_max[:, None]), 0.0), 1)
+        acc = tl.zeros([GM, DP], tl.float32)
+        for c in range(0, ran, CHUNK):
+            split = c + offs_c
+            gc_mask = g_mask[:, None] & (split < ran)[None, :]
+            mc = tl.load(PART_M + rows[:, None] + split[None, :], mask=gc_mask, other=float("-inf"),
+                         cache_modifier=".cg")
+            w = tl.where(gc_mask, tl.exp2(mc - m_max[:, None]), 0.0)                     # [GM, CHUNK]
+            part = tl.load(PART_ACC + ((rows[:, None] + split[None, :]) * DP)[:, :, None] + offs_d[None, None, :],
+                           mask=gc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(part * w[:, :, None], 1)
+        o = acc / tl.where(l_tot > 0.0, l_tot, 1.0)[:, None]
+        heads = kvh * G + offs_g
+        tl.store(O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(O.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
     @triton.jit
     def _find_seq(CU, pid, num_seqs, BLOCK_Q: tl.constexpr):
@@ -500,7 +536,7 @@ def paged_decode_attention(
         num_splits,
         G=g, GP=gp, D=d, DP=dp, PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
         DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=counters is not None, SP=sp,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
+        GM=_next_pow2(g), num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     if num_splits > 1 and counters is None:
         _paged_decode_reduce_kernel[(bsz, hq)](
