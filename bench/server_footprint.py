@@ -1,6 +1,7 @@
 """Start-up time and memory of the served repository: the full model repository (tiny model,
 CPU) started as the server tests start it, timed to ready, and each Python stub's and engine
-core's resident memory (VmRSS) and whether torch is mapped in it. Prints a markdown table.
+core's resident memory (VmRSS) and whether torch is mapped in it; beside it, an engine core
+alone (EngineProcessClient, as the llm stub starts it) timed to ready. Prints a markdown table.
 
     .venv/bin/python -m bench.server_footprint --repeat 3
 
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 from tests.server import procs
-from tests.server.conftest import start_server
+from tests.server.conftest import MODEL_DIR, start_server
 
 
 def _rss_mb(pid: int) -> int:
@@ -41,17 +42,28 @@ def one_start() -> dict:
             srv.stop()
 
 
+def one_core_start() -> float:
+    """Seconds from EngineProcessClient() to its core's READY (the core's imports and engine)."""
+    from backend_lib import EngineConfig, EngineProcessClient
+    t0 = time.monotonic()
+    client = EngineProcessClient(EngineConfig(model_path=str(MODEL_DIR), device="cpu", dtype="float32",
+                                              max_num_seqs=8, max_model_len=256))
+    ready_s = time.monotonic() - t0
+    client.shutdown()
+    return ready_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    rows = [one_start() for _ in range(args.repeat)]
+    rows = [dict(one_start(), core_start_s=one_core_start()) for _ in range(args.repeat)]
     models = list(rows[0]["stub_rss"])
-    print("| run | start s | stubs' RSS MB | " + " | ".join(f"{m} MB" for m in models)
+    print("| run | start s | engine core alone: start s | stubs' RSS MB | " + " | ".join(f"{m} MB" for m in models)
           + " | engine core MB | stubs with torch |")
-    print("|---" * (len(models) + 5) + "|")
+    print("|---" * (len(models) + 6) + "|")
     for i, r in enumerate(rows, 1):
-        print(f"| {i} | {r['start_s']:.1f} | {sum(r['stub_rss'].values())} | "
+        print(f"| {i} | {r['start_s']:.1f} | {r['core_start_s']:.2f} | {sum(r['stub_rss'].values())} | "
               + " | ".join(str(r["stub_rss"].get(m, "")) for m in models)
               + f" | {r['core_rss']} | {', '.join(r['stubs_with_torch']) or 'none'} |")
 
