@@ -51,9 +51,15 @@ def load_hf_config(path: str):
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ValueError(f"model_path {path!r} has no config.json (not a Hugging Face checkpoint folder)")
-    with open(file) as f:
-        raw = json.load(f)
-    light = read_config(raw)
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"model_path {path!r}: config.json is not valid JSON ({e})") from None
+    try:
+        light = read_config(raw)
+    except ValueError as e:
+        raise ValueError(f"model_path {path!r}: {e}") from None
     if light is not None:
         return light
     from transformers import AutoConfig
@@ -62,7 +68,8 @@ def load_hf_config(path: str):
 
 def read_config(raw: dict) -> Optional[CheckpointConfig]:
     """config.json's dict as a CheckpointConfig; None when transformers must read it (another
-    model type, a rope type other than default and llama3, a llama3 rope missing a key)."""
+    model type, a rope type other than default and llama3, a llama3 rope missing a key).
+    ValueError names a size field that is not a positive integer."""
     if not isinstance(raw, dict):
         return None
     defaults = _DEFAULTS.get(raw.get("model_type"))
@@ -73,14 +80,29 @@ def read_config(raw: dict) -> Optional[CheckpointConfig]:
         return None
     fields = dict(defaults)
     fields.update(raw)
+    for name in _INTS:
+        _check_size(name, fields[name])
     # absent: the class default; null: derived from the heads, as the config classes do
     if fields["num_key_value_heads"] is None:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
+    _check_size("num_key_value_heads", fields["num_key_value_heads"])
     if "head_dim" in defaults and fields["head_dim"] is None:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    if not isinstance(fields["rms_norm_eps"], (int, float)) or isinstance(fields["rms_norm_eps"], bool):
+        raise ValueError(f"config.json: rms_norm_eps must be a number (got {fields['rms_norm_eps']!r})")
     fields["rope_parameters"] = rope
     fields.pop("rope_theta", None)  # in rope_parameters, as transformers 5 keeps it
     return CheckpointConfig(**fields)
+
+
+_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "max_position_embeddings")
+
+
+def _check_size(name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"config.json: {name} must be a positive integer (got {v!r})")
+
 
 
 def _rope_parameters(raw: dict, defaults: dict) -> Optional[dict]:

@@ -103,6 +103,14 @@ def test_other_configs_go_to_autoconfig(tmp_path, cfg):
     assert not isinstance(got, CheckpointConfig) and got.model_type == cfg["model_type"]
 
 
+@pytest.mark.parametrize("field,value", [("hidden_size", "64"), ("num_attention_heads", 0),
+                                         ("vocab_size", None), ("num_hidden_layers", True)])
+def test_a_malformed_size_is_named(tmp_path, field, value):
+    path = _write(tmp_path, dict(SMALL, model_type="llama", **{field: value}))
+    with pytest.raises(ValueError, match=f"^model_path .*: config.json: {field} must be a positive integer"):
+        load_hf_config(path)
+
+
 def test_a_llama3_rope_missing_keys_gets_transformers_error(tmp_path):
     path = _write(tmp_path, dict(SMALL, model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0}))
     with pytest.raises(KeyError, match="Missing required keys in `rope_parameters`"):
@@ -113,6 +121,9 @@ def test_errors_name_the_folder(tmp_path):
     with pytest.raises(ValueError, match="is not a local checkpoint folder"):
         load_hf_config(str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="has no config.json"):
+        load_hf_config(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"')
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON \(Expecting ',' delimiter"):
         load_hf_config(str(tmp_path))
 
 
