@@ -156,7 +156,8 @@ def main(argv=None) -> int:
                          "run wins) and print its top functions at the end")
     a = ap.parse_args(argv)
     if a.core_profile:
-        os.environ["BACKEND_LIB_CORE_PROFILE"] = a.core_profile
+        from backend_lib.envs import CORE_PROFILE_ENV
+        os.environ[CORE_PROFILE_ENV] = a.core_profile
     if a.null_math_us:
         _use_null_math(a)
     from backend_lib import AsyncEngine, EngineConfig, EngineProcessClient

@@ -104,7 +104,6 @@ def _check_size(name: str, v) -> None:
         raise ValueError(f"config.json: {name} must be a positive integer (got {v!r})")
 
 
-
 def _rope_parameters(raw: dict, defaults: dict) -> Optional[dict]:
     """transformers 5's rope_parameters: the file's rope_parameters, else its rope_scaling
     (legacy key "type" -> "rope_type"), with rope_theta in it."""
