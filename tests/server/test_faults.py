@@ -215,10 +215,10 @@ class GrpcStream:
             return
         resp = result.get_response()
         if resp.outputs:
-            self.out.tokens += 1
             counts = result.as_numpy("num_output_tokens")
             if counts is not None:
                 self.out.generated += int(counts.sum())
+            self.out.tokens += 1  # after generated: start_streams reads tokens first
         final = resp.parameters.get("triton_final_response")
         if final is not None and final.bool_param:
             self.out.finish("final")
@@ -257,8 +257,8 @@ class HttpStream:
                     if "error" in last:
                         self.out.finish("error", last["error"])
                         return
-                    self.out.tokens += 1
                     self.out.generated += int(np.sum(last.get("num_output_tokens", 0)))
+                    self.out.tokens += 1  # after generated: start_streams reads tokens first
             self.out.finish("final")  # the chunked body ended cleanly: the server sent FINAL
         except Exception as e:  # noqa: BLE001 - reset / incomplete read: the transport broke
             self.out.finish("dropped", repr(e))
@@ -278,9 +278,11 @@ def start_streams(srv: Launched, per_route_grpc: int = 3) -> list:
     assert wait_for(lambda: all(s.out.tokens >= 2 or s.out.done.is_set() for s in streams), 120, 0.05), state()
     running = [s for s in streams if not s.out.done.is_set()]
     assert len(running) >= len(streams) - 2, (f"{time.monotonic() - t0:.1f} s", state())
-    # the counts finished_before_fault reads arrive on every route and protocol
-    assert all(s.out.generated >= s.out.tokens for s in streams), [(s.out.route, s.out.proto, s.out.tokens,
-                                                                     s.out.generated) for s in streams]
+    # the counts finished_before_fault reads arrive on every route and protocol (the client
+    # threads add to generated before tokens: tokens read first is never ahead of its counts)
+    seen = [(s, s.out.tokens) for s in streams]
+    assert all(s.out.generated >= tokens for s, tokens in seen), [(s.out.route, s.out.proto, tokens, s.out.generated)
+                                                                  for s, tokens in seen]
     return streams
 
 

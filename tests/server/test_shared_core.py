@@ -113,13 +113,15 @@ def test_two_instances_share_one_engine(tmp_path, reference_engine):
         srv.stop()
 
 
-def _where_cores_wait(srv) -> tuple:
-    """The cores still alive, and their threads' Python stacks (SIGUSR1: faulthandler)."""
+def _where_cores_wait(srv) -> str:
+    """The server's processes still alive, and the cores' threads' Python stacks (SIGUSR1:
+    faulthandler, into the server log), as one string (pytest prints a string message whole)."""
     cores = engine_cores(srv)
     for p in cores:
         os.kill(p.pid, signal.SIGUSR1)
     time.sleep(1.0)
-    return cores, srv.log_tail(200)
+    alive = "\n".join(f"{p.pid} ppid={p.ppid} {p.state} {' '.join(p.argv)[:160]}" for p in procs.group(srv.proc.pid))
+    return f"still alive:\n{alive}\n--- server log ---\n{srv.log_tail(200)}"
 
 
 def test_killed_server_leaves_no_shared_core(tmp_path):
