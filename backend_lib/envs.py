@@ -91,14 +91,16 @@ def decode_prep() -> str:
 # and kv head to finish merges them, counted with an atomic: one kernel less per layer). Off: on
 # the H200 it was slower (0.5B batch 1 0.666 -> 0.776 ms, bench/RESULTS.md fourteenth session)
 # while its last split merged the group's heads one after another; the merge of all heads at
-# once that replaced it is not measured yet.
+# once that replaced it is not measured yet. oproj: one-token forwards (batch 1) leave the
+# merge to o_proj's gemv prologue (layers/decode_gemv.py MERGE_SPLITS): no atomics, one kernel
+# less per layer; not measured yet either. Batched decode keeps the reduce kernel.
 DECODE_ATTN_REDUCE_ENV = "BACKEND_LIB_DECODE_ATTN_REDUCE"
 
 
 def decode_attn_reduce() -> str:
     v = os.environ.get(DECODE_ATTN_REDUCE_ENV, "kernel").strip().lower() or "kernel"
-    if v not in ("kernel", "fused"):
-        raise ValueError(f"{DECODE_ATTN_REDUCE_ENV}={v!r}: must be kernel or fused")
+    if v not in ("kernel", "fused", "oproj"):
+        raise ValueError(f"{DECODE_ATTN_REDUCE_ENV}={v!r}: must be kernel, fused or oproj")
     return v
 
 

@@ -35,10 +35,16 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, pdl: bool = False):
-    """pdl: the decode kernels launch with programmatic dependent launch (one-token forwards)."""
-    if q.is_cuda:
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, pdl: bool = False,
+                    partials: bool = False):
+    """pdl: the decode kernels launch with programmatic dependent launch (one-token forwards).
+    partials: one decode row on the Triton path returns its splits' unmerged states
+    (triton_attention.DecodePartials, for the consumer to merge); anything else the output."""
+    from .triton_support import INTERPRET
+    if q.is_cuda or (partials and INTERPRET):
         from . import triton_attention as ta
+        if partials and meta.is_decode and q.shape[0] == 1 and q.shape[-1] & (q.shape[-1] - 1) == 0:
+            return ta.paged_decode_partials(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, pdl=pdl)
         if meta.is_decode:
             return ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                              pdl=pdl)

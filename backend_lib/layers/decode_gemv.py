@@ -19,6 +19,10 @@ y[N] = prologue(x) @ W[N, K]^T (+ b) for one row, fp32 accumulation, in x's dtyp
   RMSNORM       rms_norm(x) * ln_w            (layer 0: the stream is the embedding itself)
   ADD_RMSNORM   s = x + residual; rms_norm(s) * ln_w; program 0 also writes s (the new stream)
   SILU_MUL      silu(x[:K]) * x[K:]           (x is gate_up's output, [2K])
+  MERGE_SPLITS  x is split decode attention's partial states (triton_attention.DecodePartials),
+                merged per head as the reduce kernel does: o_proj without that kernel. Each
+                program merges its BLOCK_K columns' heads from L2 (K x splits fp32, ~25 KB
+                at the 0.5B shape), the reduce kernel's launch and its round trip saved.
 Each rounds where the unfused torch ops round (HF's order), as layers/fused_ops.py does.
 
 A program owns BLOCK_N output columns and walks K in BLOCK_K chunks, loading chunk c + 1
@@ -40,7 +44,7 @@ from .triton_support import pdl_launch, pdl_release_dependents, pdl_supported  #
 
 logger = logging.getLogger(__name__)
 
-PLAIN, RMSNORM, ADD_RMSNORM, SILU_MUL = 0, 1, 2, 3
+PLAIN, RMSNORM, ADD_RMSNORM, SILU_MUL, MERGE_SPLITS = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ if HAS_TRITON:
     _K_RMSNORM = tl.constexpr(RMSNORM)
     _K_ADD_RMSNORM = tl.constexpr(ADD_RMSNORM)
     _K_SILU_MUL = tl.constexpr(SILU_MUL)
+    _K_MERGE_SPLITS = tl.constexpr(MERGE_SPLITS)
 
     @triton.jit
     def _stream_chunk(X, R, offs, mask, HAS_RES: tl.constexpr, DT: tl.constexpr):
@@ -70,6 +75,38 @@ if HAS_TRITON:
         if HAS_RES:
             s = (s + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
         return s
+
+    @triton.jit
+    def _merged_attention_chunk(PA, PM, PL, k0, ran, num_splits, K, BLOCK_K: tl.constexpr,
+                                D: tl.constexpr, CHUNK: tl.constexpr, DT: tl.constexpr):
+        """x[k0 : k0 + BLOCK_K] (whole heads of D) of one row's attention output, merged from
+        the `ran` splits' partial softmax states CHUNK splits at a time (online, as the splits'
+        own loops merge tiles), rounded to DT as the reduce kernel's store rounds."""
+        HC: tl.constexpr = BLOCK_K // D
+        heads = k0 // D + tl.arange(0, HC)
+        h_mask = heads < K // D
+        offs_c = tl.arange(0, CHUNK)
+        offs_d = tl.arange(0, D)
+        first = heads * num_splits                          # each head's split 0
+        m_run = tl.full([HC], float("-inf"), tl.float32)
+        l_run = tl.zeros([HC], tl.float32)
+        acc = tl.zeros([HC, D], tl.float32)
+        for c in range(0, ran, CHUNK):
+            split = c + offs_c
+            hs_mask = h_mask[:, None] & (split < ran)[None, :]
+            row = first[:, None] + split[None, :]
+            m = tl.load(PM + row, mask=hs_mask, other=float("-inf"))
+            l = tl.load(PL + row, mask=hs_mask, other=0.0)
+            part = tl.load(PA + row[:, :, None] * D + offs_d[None, None, :], mask=hs_mask[:, :, None], other=0.0)
+            m_new = tl.maximum(m_run, tl.max(m, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # no split ran yet: all weights 0
+            alpha = tl.exp2(m_run - m_ref)
+            w = tl.where(hs_mask, tl.exp2(m - m_ref[:, None]), 0.0)
+            l_run = l_run * alpha + tl.sum(l * w, 1)
+            acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
+            m_run = m_new
+        o = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
+        return tl.reshape(o.to(DT).to(tl.float32), [BLOCK_K])
 
     @triton.jit
     def _rope_kv_epilogue(y, pid, Y, COS, SIN, POS, KC, VC, SLOT, stride_cos, N,
@@ -109,12 +146,14 @@ if HAS_TRITON:
     @triton.jit
     def _gemv_kernel(X, R, LNW, W, B, Y, ROUT, N, K, eps, stride_wn,
                      COS, SIN, POS, KC, VC, SLOT, stride_cos,
+                     PART_M, PART_L, ATTN_SL, num_splits,
                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROPE: tl.constexpr = False,
                      HQ: tl.constexpr = 0, HKV: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2,
-                     HALF: tl.constexpr = 1, EARLY_RELEASE: tl.constexpr = True):
+                     HALF: tl.constexpr = 1, EARLY_RELEASE: tl.constexpr = True,
+                     ATTN_BLOCK_N: tl.constexpr = 64, SPLIT_CHUNK: tl.constexpr = 8):
         pid = tl.program_id(0)
-        DT = X.dtype.element_ty
+        DT = Y.dtype.element_ty
         lane = tl.arange(0, BLOCK_N)
         if ROPE:
             # Lanes 2i and 2i + 1 own columns j and j + HALF of one head: the rotation's pair.
@@ -148,6 +187,9 @@ if HAS_TRITON:
                         tl.store(ROUT + offs, s.to(ROUT.dtype.element_ty), mask=mask)
                 ss += s * s
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+        ran = 0
+        if PROLOGUE == _K_MERGE_SPLITS:  # the splits that had a KV tile (seq_len 0: none, zeros)
+            ran = tl.minimum(num_splits, tl.cdiv(tl.load(ATTN_SL), ATTN_BLOCK_N))
 
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -165,6 +207,9 @@ if HAS_TRITON:
                 g = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
                 u = tl.load(X + K + offs, mask=mask, other=0.0).to(tl.float32)
                 x = ((g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u).to(DT).to(tl.float32)
+            elif PROLOGUE == _K_MERGE_SPLITS:
+                x = _merged_attention_chunk(X, PART_M, PART_L, k0, ran, num_splits, K, BLOCK_K, HEAD_DIM,
+                                            SPLIT_CHUNK, DT)
             else:
                 x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -254,11 +299,43 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
         w, b if b is not None else w, y, new_res if new_res is not None else y,
-        n, k, eps, w.stride(0), *rope_args,
+        n, k, eps, w.stride(0), *rope_args, x, x, x, 0,
         PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **rope_meta,
         **pdl_launch(pdl))
     return y, new_res
+
+
+def merge_supported(parts, w: torch.Tensor, cfg: GemvConfig) -> bool:
+    """The o_proj gemv can merge `parts` itself: whole heads per BLOCK_K chunk."""
+    d = parts.head_dim
+    return (HAS_TRITON and (parts.acc.is_cuda or _INTERPRET) and w.dim() == 2 and w.stride(1) == 1
+            and w.dtype == parts.dtype and w.shape[1] == parts.num_heads * d and d & (d - 1) == 0
+            and cfg.block_k % d == 0)
+
+
+def gemv_merged(parts, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
+                cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False, early_release: bool = True,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [1, N] = merge(parts) @ W^T (+ b): the MERGE_SPLITS prologue (parts:
+    triton_attention.DecodePartials of one row, W [N, num_heads * head_dim])."""
+    if not merge_supported(parts, w, cfg):
+        raise ValueError(f"decode_gemv: cannot merge {parts.num_heads} heads of {parts.head_dim} "
+                         f"({parts.dtype}) into w {tuple(w.shape)} {w.dtype} with block_k {cfg.block_k} "
+                         "(K must be heads x head_dim, head_dim a power of 2 dividing block_k, one dtype)")
+    if b is not None and b.dtype != w.dtype:
+        raise ValueError(f"decode_gemv: bias is {b.dtype}, w is {w.dtype} (one dtype)")
+    n, k = w.shape
+    y = torch.empty(1, n, dtype=w.dtype, device=w.device) if out is None else out
+    acc = parts.acc
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        acc, acc, acc, w, b if b is not None else w, y, y, n, k, 0.0, w.stride(0),
+        acc, acc, acc, acc, acc, acc, 0,
+        parts.m, parts.l, parts.seq_lens, parts.num_splits,
+        PROLOGUE=MERGE_SPLITS, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, HEAD_DIM=parts.head_dim,
+        ATTN_BLOCK_N=parts.block_n, **pdl_launch(pdl))
+    return y
 
 
 # ----------------------------------------------------------------------------------
@@ -322,6 +399,7 @@ class DecodeGemv:
     pdl: bool = False
     rope: bool = False  # the q/k/v projection also rotates and writes the KV cache (RopeKV)
     early_release: bool = True  # with pdl: the next kernel may launch as soon as this one starts
+    merge_attention: bool = False  # attention leaves its splits to o_proj's MERGE_SPLITS prologue
     configs: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
 
@@ -334,6 +412,20 @@ class DecodeGemv:
         return gemv(x, proj.weight, proj.bias, prologue=prologue, residual=residual,
                     ln_weight=ln_weight, eps=eps, cfg=cfg, pdl=self.pdl, rope=rope,
                     early_release=self.early_release)
+
+    def project_attention(self, attn_out, proj) -> torch.Tensor:
+        """o_proj of the attention output: a tensor [1, Hq * D], or split partials
+        (triton_attention.DecodePartials, with merge_attention) that the projection merges in
+        its prologue, or the reduce kernel merges where o_proj runs unfused (cuBLAS won)."""
+        from .triton_attention import DecodePartials, merge_decode_partials
+        if not isinstance(attn_out, DecodePartials):
+            return self.run(attn_out.contiguous(), proj)[0]
+        w = proj.weight
+        cfg = self.configs.get(shape_key(PLAIN, w, proj.bias, False), DEFAULT_CONFIG)
+        if cfg is not None and merge_supported(attn_out, w, cfg):
+            return gemv_merged(attn_out, w, proj.bias, cfg=cfg, pdl=self.pdl, early_release=self.early_release)
+        o = merge_decode_partials(attn_out, pdl=self.pdl)
+        return self.run(o.view(1, -1), proj)[0]
 
     def unfused(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
                 rope: Optional[RopeKV] = None):
@@ -404,8 +496,10 @@ def install(model, mode: str) -> Optional[DecodeGemv]:
     if mode == "off" or not HAS_TRITON:
         return None
     device = next(model.parameters()).device
+    from .. import envs
     table = DecodeGemv(pdl=(mode in ("on", "pdl", "implicit") and pdl_supported(device)),
-                       rope=(mode in ("on", "implicit")), early_release=(mode != "implicit"))
+                       rope=(mode in ("on", "implicit")), early_release=(mode != "implicit"),
+                       merge_attention=envs.decode_attn_reduce() == "oproj")
     s = model.shape
     # The model's forward_one_token decides the same: Qwen3's q/k norm keeps rope apart.
     heads = (s.num_heads, s.num_kv_heads, s.head_dim) if table.rope and not s.qk_norm else None

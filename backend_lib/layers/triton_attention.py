@@ -17,6 +17,11 @@ Public API
     count depends only on shapes (B, Hkv, max_blocks), never on ``seq_lens`` values, so
     the call is CUDA-graph capturable.  Rows with ``seq_len == 0`` produce zeros.
 
+``paged_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale)``
+    The same for one sequence, without the merge: its splits' partial softmax states
+    (``DecodePartials``), merged by the kernel that consumes the output (the o_proj gemv's
+    prologue, layers/decode_gemv.py) or by ``merge_decode_partials``.
+
 ``paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
 scale, max_q_len, out=None)``
     Varlen mixed batch (chunked prefill and decode rows together), causal.  The new
@@ -34,6 +39,7 @@ reference still works), the kernels then raise at call time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -52,7 +58,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     HAS_TRITON = False
 
 __all__ = [
+    "DecodePartials",
+    "merge_decode_partials",
     "paged_decode_attention",
+    "paged_decode_partials",
     "paged_prefill_attention",
     "reference_paged_attention",
     "HAS_TRITON",
@@ -82,7 +91,7 @@ if HAS_TRITON:
         DP: tl.constexpr,           # D padded to power of 2
         PAGE: tl.constexpr,         # cache block size (tokens)
         BLOCK_N: tl.constexpr,      # tokens per KV tile
-        SPLIT: tl.constexpr,        # num_splits > 1: write partials for the reduce kernel
+        SPLIT: tl.constexpr,        # write partials (merged by the reduce kernel or the consumer)
         DOT_PREC: tl.constexpr,
         USE_PDL: tl.constexpr = False,  # launched with PDL: release the next kernel, then wait
         FUSED_REDUCE: tl.constexpr = False,  # SPLIT: the last split of a (seq, kv head) merges them here
@@ -547,6 +556,74 @@ def paged_decode_attention(
             SP=sp, USE_PDL=pdl,
             num_warps=4 if dp * _next_pow2(num_splits) >= 4096 else 2, **pdl_launch(pdl),
         )
+    return out
+
+
+@dataclass(frozen=True)
+class DecodePartials:
+    """One decode row's attention before its splits are merged: for head h and split s (row
+    h * num_splits + s), acc[row] (head_dim fp32, the unnormalised output), m[row] (the
+    running max, log2 domain) and l[row] (the softmax denominator). Only the first
+    min(num_splits, ceil(seq_lens[0] / block_n)) splits ran; the others hold garbage."""
+    acc: torch.Tensor        # [num_heads * num_splits, head_dim] fp32
+    m: torch.Tensor          # [num_heads * num_splits] fp32
+    l: torch.Tensor          # [num_heads * num_splits] fp32
+    seq_lens: torch.Tensor   # [1] int32: the row's KV length (0: a padding row, output zeros)
+    num_splits: int
+    block_n: int             # KV tokens per tile: tile t went to split t % num_splits
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype       # the merged output's dtype (q's)
+
+
+def paged_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale: float, *,
+                          num_splits: Optional[int] = None, pdl: bool = False) -> DecodePartials:
+    """paged_decode_attention for one row (q [1, Hq, D], D a power of 2) that leaves the merge
+    to the consumer: one kernel less per layer at batch 1, where each kernel's fixed cost is
+    most of its time. Always split (num_splits 1 included), so the consumer has one input."""
+    page, hkv, d, hq, g = _check_common(q, k_cache, v_cache)
+    if q.dim() != 3 or q.shape[0] != 1 or block_tables.shape[0] != 1:
+        raise ValueError(f"paged_decode_partials: one row (q [1, Hq, D]); got q {tuple(q.shape)}")
+    if d & (d - 1):
+        raise ValueError(f"paged_decode_partials: head_dim {d} must be a power of 2")
+    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    block_n = 32 if k_cache.element_size() >= 4 else 64
+    if num_splits is None:
+        num_splits = decode_num_splits(1, hkv, block_tables.shape[1], page, block_n, num_sms(q.device))
+    num_splits = max(1, int(num_splits))
+    n = hq * num_splits
+    n4 = -(-n // 4) * 4
+    buf = torch.empty(n * d + 2 * n4, dtype=torch.float32, device=q.device)
+    parts = DecodePartials(acc=buf[: n * d].view(n, d), m=buf[n * d: n * d + n], l=buf[n * d + n4: n * d + n4 + n],
+                           seq_lens=seq_lens, num_splits=num_splits, block_n=block_n, num_heads=hq, head_dim=d,
+                           dtype=q.dtype)
+    _paged_decode_kernel[(1, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, q, parts.acc, parts.m, parts.l, seq_lens,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        q.stride(0), q.stride(1),
+        num_splits,
+        G=g, GP=max(16, _next_pow2(g)), D=d, DP=d, PAGE=page, BLOCK_N=block_n, SPLIT=True,
+        DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=False, SP=max(2, _next_pow2(num_splits)),
+        num_warps=4, num_stages=2 if k_cache.element_size() >= 4 else 3, **pdl_launch(pdl),
+    )
+    return parts
+
+
+def merge_decode_partials(parts: DecodePartials, pdl: bool = False) -> torch.Tensor:
+    """The merged attention output [1, Hq, D] (the reduce kernel): where the consumer cannot
+    merge (a projection that runs through cuBLAS)."""
+    out = torch.empty(1, parts.num_heads, parts.head_dim, dtype=parts.dtype, device=parts.acc.device)
+    sp = max(2, _next_pow2(parts.num_splits))
+    _paged_decode_reduce_kernel[(1, parts.num_heads)](
+        parts.acc, parts.m, parts.l, parts.seq_lens, out, out.stride(0), out.stride(1),
+        parts.num_heads, parts.num_splits,
+        D=parts.head_dim, DP=parts.head_dim, BLOCK_N=parts.block_n, SP=sp, USE_PDL=pdl,
+        num_warps=4 if parts.head_dim * sp >= 4096 else 2, **pdl_launch(pdl),
+    )
     return out
 
 

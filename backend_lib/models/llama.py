@@ -112,11 +112,12 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def attend(self, qkv, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
-               fused: bool = False, pdl: bool = False, rotated: bool = False):
+               fused: bool = False, pdl: bool = False, rotated: bool = False, partials: bool = False):
         """qkv projection's output -> attention output [T, q_size], before o_proj. pdl: the
         fused kernels launch with programmatic dependent launch (layers/decode_gemv.py).
         rotated: q is already rotated and k/v already in the cache (the projection's epilogue
-        did it), so only attention runs."""
+        did it), so only attention runs. partials (one decode row on CUDA): its splits'
+        unmerged states (triton_attention.DecodePartials) for o_proj to merge."""
         s = self.s
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
@@ -135,8 +136,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, pdl=pdl)
-        return out.reshape(-1, self.q_size)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, pdl=pdl, partials=partials)
+        return out if not isinstance(out, torch.Tensor) else out.reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -193,8 +194,8 @@ class DecoderLayer(nn.Module):
             qkv, residual = gemv.run(h, attn.qkv_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln1.weight, ln1.eps, rope)
         o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True, pdl=gemv.pdl,
-                        rotated=rope is not None)
-        h, _ = gemv.run(o.contiguous(), attn.o_proj)
+                        rotated=rope is not None, partials=gemv.merge_attention)
+        h = gemv.project_attention(o, attn.o_proj)
         gate_up, residual = gemv.run(h, mlp.gate_up_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln2.weight, ln2.eps)
         h, _ = gemv.run(gate_up, mlp.down_proj, decode_gemv.SILU_MUL)

@@ -84,8 +84,13 @@ def test_the_switch_picks_the_path(monkeypatch):
     monkeypatch.setenv(envs.DECODE_ATTN_REDUCE_ENV, "fused")
     ta.paged_decode_attention(q, k, v, bt, sl, 0.2, num_splits=3)
     assert k.data_ptr() in ta._COUNTERS
+    # oproj: only one-token forwards leave the merge to o_proj; batched decode keeps the kernel
+    ta._COUNTERS.pop(k.data_ptr(), None)
+    monkeypatch.setenv(envs.DECODE_ATTN_REDUCE_ENV, "oproj")
+    ta.paged_decode_attention(q, k, v, bt, sl, 0.2, num_splits=3)
+    assert k.data_ptr() not in ta._COUNTERS
     monkeypatch.setenv(envs.DECODE_ATTN_REDUCE_ENV, "sideways")
-    with pytest.raises(ValueError, match="BACKEND_LIB_DECODE_ATTN_REDUCE='sideways': must be kernel or fused"):
+    with pytest.raises(ValueError, match="BACKEND_LIB_DECODE_ATTN_REDUCE='sideways': must be kernel, fused or oproj"):
         ta.paged_decode_attention(q, k, v, bt, sl, 0.2, num_splits=3)
 
 

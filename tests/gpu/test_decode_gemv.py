@@ -280,7 +280,7 @@ def test_rope_epilogue_rejects_a_projection_of_the_wrong_width():
         dg.gemv(x, w[:-2], None, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln, rope=rope)
 
 
-@pytest.mark.parametrize("mode", ["fused", "rope", "unfused"])
+@pytest.mark.parametrize("mode", ["fused", "rope", "merge", "unfused"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_model_one_token_forward_matches_the_batched_path(arch, mode, tiny_llama_path, tiny_qwen3_path):
     """DecoderModel's one-token forward through DecodeGemv (each projection fused; with the
@@ -321,7 +321,7 @@ def test_model_one_token_forward_matches_the_batched_path(arch, mode, tiny_llama
     if mode == "unfused":
         configs = {dg.shape_key(p, proj.weight, proj.bias, rope): None
                    for p in range(4) for proj in model.projections() for rope in (False, True)}
-    model.one_token_gemv = dg.DecodeGemv(configs=configs, rope=(mode != "fused"),
+    model.one_token_gemv = dg.DecodeGemv(configs=configs, rope=(mode != "fused"), merge_attention=(mode == "merge"),
                                          pdl=dg.pdl_supported(torch.device(DEVICE)))
     got_cache = caches()
     got = model(ids, pos, got_cache, meta)
@@ -340,8 +340,9 @@ def _small_config(kind):
     return transformers.LlamaConfig(**common, attention_bias=True, mlp_bias=True)
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["reduce-kernel", "merge-in-o_proj"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama-bias"])
-def test_one_token_graph_with_pdl_matches_the_batched_path(kind):
+def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge):
     """The one-token forward as the decode graph runs it: captured in a CUDA graph (on CUDA),
     every kernel launched with PDL where the GPU has it, the rope epilogue on, a context long
     enough that the decode attention splits (and its reduce kernel runs). Each replay gets
@@ -394,7 +395,7 @@ def test_one_token_graph_with_pdl_matches_the_batched_path(kind):
         out = model(ids, pos, ref_caches, meta)
         return out, ref_caches
 
-    gemv = dg.DecodeGemv(pdl=dg.pdl_supported(torch.device(DEVICE)), rope=True)
+    gemv = dg.DecodeGemv(pdl=dg.pdl_supported(torch.device(DEVICE)), rope=True, merge_attention=merge)
     runs = []
     if cuda:
         fresh_inputs()
@@ -419,3 +420,94 @@ def test_one_token_graph_with_pdl_matches_the_batched_path(kind):
         assert _rel(got, ref) < tol, (seed, kind, runs)
         for (k1, v1), (k2, v2) in zip(ref_caches, caches):
             assert _rel(k2, k1) < tol and _rel(v2, v1) < tol, (seed, kind)
+
+
+# ---- o_proj merging split decode attention (MERGE_SPLITS) ------------------------------------
+MERGE_HEADS = [(4, 2, 32), (3, 1, 16)] if _ON_CPU else [(14, 2, 64), (32, 8, 128), (8, 8, 64)]
+
+
+def _merge_case(hq, hkv, d, seq_len, dtype, bias, page=16):
+    """q, caches with a shuffled block table for one row of seq_len tokens, o_proj weight/bias."""
+    blocks = max(1, -(-seq_len // page))
+    nb = blocks + 3
+    perm = torch.randperm(nb, device=DEVICE).to(torch.int32)
+    bt = perm[:blocks + 2][None].contiguous()  # two spare entries past the row's blocks
+    k = torch.randn(nb, page, hkv, d, device=DEVICE).to(dtype)
+    v = torch.randn(nb, page, hkv, d, device=DEVICE).to(dtype)
+    q = torch.randn(1, hq, d, device=DEVICE).to(dtype)
+    sl = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
+    w = (torch.randn(40, hq * d, device=DEVICE) * 0.05).to(dtype)
+    b = (torch.randn(40, device=DEVICE) * 0.1).to(dtype) if bias else None
+    return q, k, v, bt, sl, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hq,hkv,d", MERGE_HEADS)
+def test_o_proj_merging_the_splits_equals_the_reduce_kernel_then_the_projection(hq, hkv, d, dtype):
+    """Padding row (seq_len 0: zeros in, bias out), one token, one tile, several, more splits
+    than the merge takes at once (SPLIT_CHUNK 8); one split to many; block_k 2 heads to all
+    heads and past K. Against the float32 reference and the two-kernel path (reduce kernel,
+    then the plain gemv with the same config), output poisoned."""
+    from backend_lib.layers import triton_attention as ta
+    dg = _dg()
+    seed = seed_from_env("DECODE_GEMV_TEST_SEED")
+    block_n = 32 if dtype == torch.float32 else 64
+    for seq_len, bias in ((0, True), (1, False), (block_n, True), (5 * block_n + 3, False), (20 * block_n + 7, True)):
+        q, k, v, bt, sl, w, b = _merge_case(hq, hkv, d, seq_len, dtype, bias)
+        ref_o = ta.reference_paged_attention(q, k, v, bt, sl, d ** -0.5) if seq_len else torch.zeros(1, hq, d)
+        ref = dg.gemv_ref(ref_o.to(DEVICE).float().reshape(1, -1), w.float(), None if b is None else b.float())[0]
+        for splits in (1, 3, 8, 13):
+            parts = ta.paged_decode_partials(q, k, v, bt, sl, d ** -0.5, num_splits=splits)
+            two = ta.merge_decode_partials(parts)
+            assert torch.equal(two, ta.paged_decode_attention(q, k, v, bt, sl, d ** -0.5, num_splits=splits,
+                                                              fused_reduce=False)) or splits == 1, (seed, splits)
+            for cfg in (dg.GemvConfig(4, 2 * d, 4), dg.GemvConfig(8, 1024, 4)):
+                out = torch.full((1, w.shape[0]), POISON, dtype=dtype, device=DEVICE)
+                got = dg.gemv_merged(parts, w, b, cfg=cfg, out=out)
+                assert got.data_ptr() == out.data_ptr()
+                plain = dg.gemv(two.reshape(1, -1), w, b, cfg=cfg)[0]
+                where = (seed, seq_len, splits, cfg)
+                assert _rel(got, ref) < TOL[dtype] + (1e-2 if dtype != torch.float32 else 1e-4), where
+                # the same merge and the same projection: equal up to the merge's summation order
+                assert torch.allclose(got.float(), plain.float(), rtol=2e-2 if dtype != torch.float32 else 1e-5,
+                                      atol=2e-2 if dtype != torch.float32 else 1e-5), where
+                if seq_len == 0:
+                    assert torch.equal(got, (b if b is not None else torch.zeros_like(got)).reshape(1, -1)), where
+
+
+def test_o_proj_merge_rejects_what_it_cannot_merge():
+    from backend_lib.layers import triton_attention as ta
+    dg = _dg()
+    hq, hkv, d = MERGE_HEADS[0]
+    q, k, v, bt, sl, w, b = _merge_case(hq, hkv, d, 40, DTYPES[0], True)
+    parts = ta.paged_decode_partials(q, k, v, bt, sl, d ** -0.5, num_splits=2)
+    with pytest.raises(ValueError, match="block_k 48"):
+        dg.gemv_merged(parts, w, b, cfg=dg.GemvConfig(4, 48, 4))
+    with pytest.raises(ValueError, match=r"into w \(40, 16\)"):
+        dg.gemv_merged(parts, w[:, :16].contiguous(), b)
+    with pytest.raises(ValueError, match="one row"):
+        ta.paged_decode_partials(torch.cat([q, q]), k, v, torch.cat([bt, bt]), torch.cat([sl, sl]), d ** -0.5)
+
+
+def test_project_attention_merges_with_the_reduce_kernel_where_o_proj_runs_unfused():
+    """A shape whose tuning chose the unfused ops (config None), or a config whose block_k
+    splits a head: the reduce kernel merges, then the projection; equal to the merged gemv."""
+    from backend_lib.layers import triton_attention as ta
+    dg = _dg()
+    seed = seed_from_env("DECODE_GEMV_TEST_SEED")
+    hq, hkv, d = MERGE_HEADS[0]
+    dtype = DTYPES[-1]
+    q, k, v, bt, sl, w, b = _merge_case(hq, hkv, d, 3 * 64 + 5, dtype, True)
+    proj = torch.nn.Linear(hq * d, w.shape[0], device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        proj.weight.copy_(w)
+        proj.bias.copy_(b)
+    parts = ta.paged_decode_partials(q, k, v, bt, sl, d ** -0.5, num_splits=4)
+    fused = dg.DecodeGemv(merge_attention=True).project_attention(parts, proj)
+    key = dg.shape_key(dg.PLAIN, w, b, False)
+    for configs in ({key: None}, {key: dg.GemvConfig(4, d // 2, 4)}):
+        got = dg.DecodeGemv(merge_attention=True, configs=configs).project_attention(parts, proj)
+        assert torch.allclose(got.float(), fused.float(), rtol=1e-4, atol=1e-4), (seed, configs)
+    # a plain attention output (batched rows, or no Triton) goes through run()
+    o = ta.merge_decode_partials(parts).reshape(1, -1)
+    assert torch.allclose(dg.DecodeGemv().project_attention(o, proj).float(), fused.float(), rtol=1e-4, atol=1e-4)
