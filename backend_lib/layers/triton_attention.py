@@ -468,6 +468,30 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(1, min(-(-target // programs), max_tiles, 64))
 
 
+def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+                   counters: Optional[torch.Tensor], scale: float, num_splits: int, block_n: int, *,
+                   checked: tuple, split: bool, pdl: bool, num_warps: int, num_stages: int) -> None:
+    """One launch of the split decode kernel over (rows, kv heads, splits). checked:
+    _check_common's result; split: store the partial states (else the output); counters: the
+    fused reduce's (None: no fused reduce)."""
+    page, hkv, d, _, g = checked
+    _paged_decode_kernel[(q.shape[0], hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        counters if counters is not None else seq_lens,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        num_splits,
+        G=g, GP=max(16, _next_pow2(g)), D=d, DP=_next_pow2(d), PAGE=page, BLOCK_N=block_n, SPLIT=split,
+        DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=counters is not None,
+        SP=max(2, _next_pow2(num_splits)), GM=_next_pow2(g), num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(pdl),
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -516,8 +540,6 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = decode_num_splits(bsz, hkv, max_blocks, page, block_n, num_sms(q.device))
     num_splits = max(1, int(num_splits))
-    gp = max(16, _next_pow2(g))
-
     if num_splits > 1:
         # one allocation (less host overhead); each piece 16-byte aligned
         n = bsz * hq * num_splits
@@ -533,20 +555,9 @@ def paged_decode_attention(
     counters = _split_counters(k_cache, bsz * hkv) if fused_reduce and num_splits > 1 else None
     sp = max(2, _next_pow2(num_splits))
 
-    _paged_decode_kernel[(bsz, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        counters if counters is not None else seq_lens,
-        float(scale) * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        num_splits,
-        G=g, GP=gp, D=d, DP=dp, PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=counters is not None, SP=sp,
-        GM=_next_pow2(g), num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
-    )
+    _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, counters, scale,
+                   num_splits, block_n, checked=(page, hkv, d, hq, g), split=num_splits > 1, pdl=pdl,
+                   num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1 and counters is None:
         _paged_decode_reduce_kernel[(bsz, hq)](
             part_acc, part_m, part_l, seq_lens, out,
@@ -597,19 +608,9 @@ def paged_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale: fl
     parts = DecodePartials(acc=buf[: n * d].view(n, d), m=buf[n * d: n * d + n], l=buf[n * d + n4: n * d + n4 + n],
                            seq_lens=seq_lens, num_splits=num_splits, block_n=block_n, num_heads=hq, head_dim=d,
                            dtype=q.dtype)
-    _paged_decode_kernel[(1, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, q, parts.acc, parts.m, parts.l, seq_lens,
-        float(scale) * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        q.stride(0), q.stride(1),
-        num_splits,
-        G=g, GP=max(16, _next_pow2(g)), D=d, DP=d, PAGE=page, BLOCK_N=block_n, SPLIT=True,
-        DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=False, SP=max(2, _next_pow2(num_splits)),
-        num_warps=4, num_stages=2 if k_cache.element_size() >= 4 else 3, **pdl_launch(pdl),
-    )
+    _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, q, parts.acc, parts.m, parts.l, None, scale,
+                   num_splits, block_n, checked=(page, hkv, d, hq, g), split=True, pdl=pdl, num_warps=4,
+                   num_stages=2 if k_cache.element_size() >= 4 else 3)
     return parts
 
 
