@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .triton_support import INTERPRET  # the kernels also run on CPU tensors in Triton's interpreter
+
 
 @dataclass
 class AttentionMetadata:
@@ -40,7 +42,6 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     """pdl: the decode kernels launch with programmatic dependent launch (one-token forwards).
     partials: one decode row on the Triton path returns its splits' unmerged states
     (triton_attention.DecodePartials, for the consumer to merge); anything else the output."""
-    from .triton_support import INTERPRET
     if q.is_cuda or (partials and INTERPRET):
         from . import triton_attention as ta
         if partials and meta.is_decode and q.shape[0] == 1 and q.shape[-1] & (q.shape[-1] - 1) == 0:

@@ -468,6 +468,33 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(1, min(-(-target // programs), max_tiles, 64))
 
 
+def _decode_tiling(k_cache: torch.Tensor) -> tuple[int, int]:
+    """(block_n, num_stages) of the split decode kernel for the cache's dtype."""
+    return (32, 2) if k_cache.element_size() >= 4 else (64, 3)
+
+
+def _partial_buffers(n: int, dp: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(acc [n * dp], m [n], l [n]) fp32 for n (row, head, split) partial states: one
+    allocation (less host overhead), each piece 16-byte aligned."""
+    n4 = -(-n // 4) * 4
+    buf = torch.empty(n * dp + 2 * n4, dtype=torch.float32, device=device)
+    return buf[: n * dp], buf[n * dp: n * dp + n], buf[n * dp + n4: n * dp + n4 + n]
+
+
+def _launch_reduce(part_acc, part_m, part_l, seq_lens, out, num_heads: int, num_splits: int, d: int,
+                   block_n: int, pdl: bool) -> None:
+    """The reduce kernel over (rows, heads): each head's splits merged into out."""
+    dp, sp = _next_pow2(d), max(2, _next_pow2(num_splits))
+    _paged_decode_reduce_kernel[(out.shape[0], num_heads)](
+        part_acc, part_m, part_l, seq_lens, out,
+        out.stride(0), out.stride(1),
+        num_heads, num_splits,
+        D=d, DP=dp, BLOCK_N=block_n,
+        SP=sp, USE_PDL=pdl,
+        num_warps=4 if dp * sp >= 4096 else 2, **pdl_launch(pdl),
+    )
+
+
 def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
                    counters: Optional[torch.Tensor], scale: float, num_splits: int, block_n: int, *,
                    checked: tuple, split: bool, pdl: bool, num_warps: int, num_stages: int) -> None:
@@ -531,42 +558,26 @@ def paged_decode_attention(
     if bsz == 0:
         return out
 
-    dp = _next_pow2(d)
-    if block_n is None:
-        block_n = 32 if k_cache.element_size() >= 4 else 64
-    if num_stages is None:
-        num_stages = 2 if k_cache.element_size() >= 4 else 3
+    default_block_n, default_stages = _decode_tiling(k_cache)
+    block_n = default_block_n if block_n is None else block_n
+    num_stages = default_stages if num_stages is None else num_stages
     max_blocks = block_tables.shape[1]
     if num_splits is None:
         num_splits = decode_num_splits(bsz, hkv, max_blocks, page, block_n, num_sms(q.device))
     num_splits = max(1, int(num_splits))
     if num_splits > 1:
-        # one allocation (less host overhead); each piece 16-byte aligned
-        n = bsz * hq * num_splits
-        n4 = -(-n // 4) * 4
-        buf = torch.empty(n * dp + 2 * n4, dtype=torch.float32, device=q.device)
-        part_acc = buf[: n * dp]
-        part_m = buf[n * dp: n * dp + n]
-        part_l = buf[n * dp + n4: n * dp + n4 + n]
+        part_acc, part_m, part_l = _partial_buffers(bsz * hq * num_splits, _next_pow2(d), q.device)
     else:
         part_acc = part_m = part_l = out  # unused
     if fused_reduce is None:
         fused_reduce = envs.decode_attn_reduce() == "fused"
     counters = _split_counters(k_cache, bsz * hkv) if fused_reduce and num_splits > 1 else None
-    sp = max(2, _next_pow2(num_splits))
 
     _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, counters, scale,
                    num_splits, block_n, checked=(page, hkv, d, hq, g), split=num_splits > 1, pdl=pdl,
                    num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1 and counters is None:
-        _paged_decode_reduce_kernel[(bsz, hq)](
-            part_acc, part_m, part_l, seq_lens, out,
-            out.stride(0), out.stride(1),
-            hq, num_splits,
-            D=d, DP=dp, BLOCK_N=block_n,
-            SP=sp, USE_PDL=pdl,
-            num_warps=4 if dp * _next_pow2(num_splits) >= 4096 else 2, **pdl_launch(pdl),
-        )
+        _launch_reduce(part_acc, part_m, part_l, seq_lens, out, hq, num_splits, d, block_n, pdl)
     return out
 
 
@@ -598,19 +609,16 @@ def paged_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale: fl
     if d & (d - 1):
         raise ValueError(f"paged_decode_partials: head_dim {d} must be a power of 2")
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
-    block_n = 32 if k_cache.element_size() >= 4 else 64
+    block_n, num_stages = _decode_tiling(k_cache)
     if num_splits is None:
         num_splits = decode_num_splits(1, hkv, block_tables.shape[1], page, block_n, num_sms(q.device))
     num_splits = max(1, int(num_splits))
-    n = hq * num_splits
-    n4 = -(-n // 4) * 4
-    buf = torch.empty(n * d + 2 * n4, dtype=torch.float32, device=q.device)
-    parts = DecodePartials(acc=buf[: n * d].view(n, d), m=buf[n * d: n * d + n], l=buf[n * d + n4: n * d + n4 + n],
-                           seq_lens=seq_lens, num_splits=num_splits, block_n=block_n, num_heads=hq, head_dim=d,
-                           dtype=q.dtype)
+    acc, m, l = _partial_buffers(hq * num_splits, d, q.device)
+    parts = DecodePartials(acc=acc.view(hq * num_splits, d), m=m, l=l, seq_lens=seq_lens, num_splits=num_splits,
+                           block_n=block_n, num_heads=hq, head_dim=d, dtype=q.dtype)
     _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, q, parts.acc, parts.m, parts.l, None, scale,
                    num_splits, block_n, checked=(page, hkv, d, hq, g), split=True, pdl=pdl, num_warps=4,
-                   num_stages=2 if k_cache.element_size() >= 4 else 3)
+                   num_stages=num_stages)
     return parts
 
 
@@ -618,13 +626,8 @@ def merge_decode_partials(parts: DecodePartials, pdl: bool = False) -> torch.Ten
     """The merged attention output [1, Hq, D] (the reduce kernel): where the consumer cannot
     merge (a projection that runs through cuBLAS)."""
     out = torch.empty(1, parts.num_heads, parts.head_dim, dtype=parts.dtype, device=parts.acc.device)
-    sp = max(2, _next_pow2(parts.num_splits))
-    _paged_decode_reduce_kernel[(1, parts.num_heads)](
-        parts.acc, parts.m, parts.l, parts.seq_lens, out, out.stride(0), out.stride(1),
-        parts.num_heads, parts.num_splits,
-        D=parts.head_dim, DP=parts.head_dim, BLOCK_N=parts.block_n, SP=sp, USE_PDL=pdl,
-        num_warps=4 if parts.head_dim * sp >= 4096 else 2, **pdl_launch(pdl),
-    )
+    _launch_reduce(parts.acc, parts.m, parts.l, parts.seq_lens, out, parts.num_heads, parts.num_splits,
+                   parts.head_dim, parts.block_n, pdl)
     return out
 
 
