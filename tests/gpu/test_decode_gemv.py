@@ -208,6 +208,7 @@ def test_pdl_kernel_waits_and_releases_its_dependents():
     y = torch.empty(1, 64, device=DEVICE, dtype=torch.bfloat16)
     def ptx(early_release):
         return dg._gemv_kernel[(8,)](x, x, x, w, w, y, y, 64, 256, 1e-6, w.stride(0), *(x,) * 6, 0,
+                                     PART_M=x, PART_L=x, ATTN_SL=x, num_splits=0,
                                      PROLOGUE=dg.PLAIN, HAS_BIAS=False, USE_PDL=True,
                                      EARLY_RELEASE=early_release, BLOCK_N=8, BLOCK_K=256,
                                      num_warps=4, launch_pdl=True).asm["ptx"]
