@@ -38,7 +38,8 @@ CLIENT_SEND_TIMEOUT_S = 30
 # EngineStats' counters: each client's stats replies carry its share of them (below).
 COUNTER_FIELDS = ("prompt_tokens_total", "generation_tokens_total", "async_steps_total", "sync_steps_total",
                   "prefill_steps_total", "num_preemptions", "prefill_tokens_total", "prefix_cache_queried_tokens_total",
-                  "prefix_cache_hit_tokens_total", "step_time_s", "wait_time_s")
+                  "prefix_cache_hit_tokens_total", "step_time_s", "wait_time_s", "schedule_time_s",
+                  "submit_time_s", "update_time_s", "host_cpu_time_s")
 
 
 class Clients:

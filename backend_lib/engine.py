@@ -91,6 +91,10 @@ class LLMEngine:
         self._prefill_steps = 0
         self._step_s = 0.0
         self._wait_s = 0.0
+        # Where the host part of step() goes (EngineStats.schedule_time_s ...): wall time per
+        # phase, and the thread's CPU time outside the waits (host wall time - host CPU time =
+        # time the thread could not run: the GIL held by another thread, or descheduled).
+        self._schedule_s = self._submit_s = self._update_s = self._host_cpu_s = 0.0
         # The heap is at its largest and longest-lived now (torch, transformers, the model):
         # move it out of the cyclic collector's view, so that the step loop's short-lived
         # garbage never triggers a full collection that walks all of it (measured on CPU at
@@ -185,10 +189,13 @@ class LLMEngine:
 
     def step_rows(self) -> list[OutputRow]:
         """step() with its outputs as rows (request.OUTPUT_FIELDS), as the engine loops use it."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self._schedule_s += t1 - t0
         if not sched.is_empty:
             self._inflight.append((sched, self.submission.submit(sched)))
+            self._submit_s += time.perf_counter() - t1
             if self.async_enabled:
                 self._async_steps += 1
             else:
@@ -202,15 +209,19 @@ class LLMEngine:
         # drain one so the loop always makes progress.
         while self._inflight and (len(self._inflight) > self._max_inflight or sched.is_empty):
             done_sched, ticket = self._inflight.popleft()
-            w0 = time.perf_counter()
+            w0, wait_cpu0 = time.perf_counter(), time.thread_time()
             handle = self.submission.launched(ticket)
             tokens = handle.get()
-            self._wait_s += time.perf_counter() - w0
+            w1 = time.perf_counter()
+            self._wait_s += w1 - w0
+            cpu0 += time.thread_time() - wait_cpu0  # a spinning wait's CPU is not host work
             self.runner.handoff.collect_gap(handle)
             outputs.extend(self.scheduler.update(done_sched, tokens, handle.logprobs(self.vocab_size)))
+            self._update_s += time.perf_counter() - w1
             if sched.is_empty:
                 break
         self._step_s += time.perf_counter() - t0
+        self._host_cpu_s += time.thread_time() - cpu0
         return self._to_parents(outputs)
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -265,7 +276,8 @@ class LLMEngine:
             prefix_cache_queried_tokens_total=s.stats.prefix_cache_queried_tokens_total,
             prefix_cache_hit_tokens_total=s.stats.prefix_cache_hit_tokens_total,
             kv_blocks_cached=s.blocks.num_cached,
-            step_time_s=self._step_s, wait_time_s=self._wait_s,
+            step_time_s=self._step_s, wait_time_s=self._wait_s, schedule_time_s=self._schedule_s,
+            submit_time_s=self._submit_s, update_time_s=self._update_s, host_cpu_time_s=self._host_cpu_s,
             gpu_idle_gap_us=self.runner.handoff.take_gaps_us())
 
 

@@ -96,6 +96,7 @@ class EngineProcessClient(OutputSinks):
         self.vocab_size = info["vocab_size"]
         self.max_model_len = info["max_model_len"]
         self.eos_token_ids = info["eos_token_ids"]
+        self.core_switch_interval_s = info["switch_interval_s"]  # the core's sys.getswitchinterval()
         self._ready = True
         self._handshake.set()
 

@@ -30,7 +30,7 @@ from typing import Optional
 
 from . import engine_wire as wire
 from .core_clients import GONE, Clients, Writer
-from .envs import core_profile_path
+from .envs import core_profile_path, core_switch_interval_s
 from .process_lifetime import die_with_process
 from .os_threads import name_os_thread
 
@@ -71,6 +71,10 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
     name_os_thread("core-loop")
     _host_threads(config)
     try:
+        switch_s = core_switch_interval_s()
+        if switch_s is not None:
+            # how long the writer or a reader may hold the GIL while the loop waits for it
+            sys.setswitchinterval(switch_s)
         eng = engine_class()(config)
         if fault_after_steps > 0:
             fail_after_steps(eng, fault_after_steps)
@@ -78,7 +82,8 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
         conn.send((wire.STARTUP_ERROR, type(e).__name__, str(e), traceback.format_exc()))
         return 1
     info = {"vocab_size": eng.vocab_size, "max_model_len": eng.max_model_len,
-            "eos_token_ids": tuple(eng.eos_token_ids), "pid": os.getpid()}
+            "eos_token_ids": tuple(eng.eos_token_ids), "pid": os.getpid(),
+            "switch_interval_s": sys.getswitchinterval()}
     conn.send((wire.READY, info))
     cmds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
     clients = Clients(cmds, shared=listener is not None)

@@ -23,4 +23,10 @@ class EngineStats:
     kv_blocks_cached: int = 0                   # blocks holding reusable prefix KV (held or evictable)
     step_time_s: float = 0.0        # wall time inside step() since start
     wait_time_s: float = 0.0        # of which: waiting on step events (host idle)
+    # the rest (host work), by phase: Scheduler.schedule, getting the step launched (inline:
+    # plan + launch; thread: plan + the queue put), the token readback and Scheduler.update
+    schedule_time_s: float = 0.0
+    submit_time_s: float = 0.0
+    update_time_s: float = 0.0
+    host_cpu_time_s: float = 0.0    # the engine thread's CPU time in step() outside the waits
     gpu_idle_gap_us: list[float] = field(default_factory=list)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Optional
 
 # "module:Class" the engine process (engine_core) builds instead of LLMEngine, with LLMEngine's
 # interface: a stand-in for measuring the serving path without the model
@@ -159,6 +160,25 @@ CORE_PROFILE_ENV = "BACKEND_LIB_CORE_PROFILE"
 
 def core_profile_path() -> str:
     return os.environ.get(CORE_PROFILE_ENV, "").strip()
+
+
+# The engine core process's sys.setswitchinterval, in ms (unset: Python's 5 ms); the llm model's
+# gil_switch_interval_ms sets it for the core it starts.
+CORE_SWITCH_INTERVAL_ENV = "BACKEND_LIB_CORE_SWITCH_INTERVAL_MS"
+
+
+def core_switch_interval_s() -> Optional[float]:
+    """None: leave Python's default; else seconds (> 0), or ValueError naming the variable."""
+    raw = os.environ.get(CORE_SWITCH_INTERVAL_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not ms > 0:
+        raise ValueError(f"{CORE_SWITCH_INTERVAL_ENV} must be a positive number of milliseconds, not {raw!r}")
+    return ms / 1e3
 
 
 # Test hook: object collectives (send_object_list, ...) raise in every stage.

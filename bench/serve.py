@@ -339,6 +339,10 @@ INPROC_LABEL = "in-process AsyncEngine"
 ENGINE_PROCESS_LABEL = "in-process EngineProcessClient"
 
 
+# EngineStats' host phases of a step (<phase>_time_s; the llm metric's phase label)
+HOST_PHASES = ("schedule", "submit", "update")
+
+
 def engine_step_stats(s0, s1, seconds: float) -> dict:
     """The engine's pace over a point from two EngineStats: steps a second, host µs a step
     (time in step() less the waits on the device), tokens a step, and the share of steps that
@@ -347,7 +351,9 @@ def engine_step_stats(s0, s1, seconds: float) -> dict:
     if steps <= 0:
         return {}
     host_s = (s1.step_time_s - s1.wait_time_s) - (s0.step_time_s - s0.wait_time_s)
-    return {"steps_per_s": steps / seconds, "host_us_per_step": host_s / steps * 1e6,
+    per_step = {f"{p}_us_per_step": (getattr(s1, f"{p}_time_s", 0.0) - getattr(s0, f"{p}_time_s", 0.0)) / steps * 1e6
+                for p in (*HOST_PHASES, "host_cpu")}
+    return {"steps_per_s": steps / seconds, "host_us_per_step": host_s / steps * 1e6, **per_step,
             "tokens_per_step": (s1.generation_tokens_total - s0.generation_tokens_total) / steps,
             "prefill_step_share": (s1.prefill_steps_total - s0.prefill_steps_total) / steps}
 
@@ -518,7 +524,7 @@ class TritonServer:
         except Exception:  # noqa: BLE001
             return {name: float("nan") for name in names}
         lines = [l for l in text.splitlines() if any(f'model="{m}"' in l for m in models)]
-        return {name: sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(name + "{")) for name in names}
+        return {name: _series_sum(lines, name) for name in names}
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -641,7 +647,8 @@ POINT_COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure"
                   "nv_inference_compute_infer_duration_us", "llm_responses_sent_total",
                   "llm_response_send_seconds_total", "llm_async_steps_total", "llm_sync_steps_total",
                   "llm_gpu_idle_gap_seconds_sum", "llm_step_seconds_total", "llm_step_gpu_wait_seconds_total",
-                  "llm_generation_tokens_total", "llm_prefill_steps_total")
+                  "llm_generation_tokens_total", "llm_prefill_steps_total", "llm_step_host_cpu_seconds_total",
+                  *(f'llm_step_phase_seconds_total{{phase="{p}"}}' for p in HOST_PHASES))
 
 
 def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy: GpuBusy, work: Path) -> dict:
@@ -686,6 +693,9 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     extra["thread_cpu"] = proc_cpu.busy_threads(cpu0, cpu1, t1 - t0)
     if steps > 0:
         extra["host_us_per_step"] = (d["llm_step_seconds_total"] - d["llm_step_gpu_wait_seconds_total"]) / steps * 1e6
+        extra["host_cpu_us_per_step"] = d["llm_step_host_cpu_seconds_total"] / steps * 1e6
+        for p in HOST_PHASES:
+            extra[f"{p}_us_per_step"] = d[f'llm_step_phase_seconds_total{{phase="{p}"}}'] / steps * 1e6
         extra["tokens_per_step"] = d["llm_generation_tokens_total"] / steps
         extra["prefill_step_share"] = d["llm_prefill_steps_total"] / steps
     if rc != 0 or not recs:
@@ -768,6 +778,13 @@ def genai_point(args, srv: TritonServer, sampling: str, c: int, busy: GpuBusy, w
 
 # ---- report ---------------------------------------------------------------------------------------
 
+def _series_sum(lines: list[str], name: str) -> float:
+    """The sum of a metric's series; name may select one label value: 'metric{label="value"}'."""
+    base, _, label = name.partition("{")
+    label = label.rstrip("}")
+    return sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(base + "{") and label in l)
+
+
 def _f(v, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
@@ -823,6 +840,20 @@ def markdown(rows: list[dict], header: str) -> str:
             lines.append(f"| {r['path']} | {r['requests']} | {r['errors']} | {r['output_tokens']} | "
                          f"{r['wall_s']:.2f} | {r['tok_s']:.0f} | {_f(x, '.2f')} | {_f(r['ttft_ms_p50'], '.1f')} | "
                          f"{_f(r['tpot_ms_p50'], '.3f')} | {_f(r['tpot_ms_p99'], '.3f')} | {_f(r['gpu_busy'], '.2f')} |")
+    hosts = [r for r in loop_rows if r.get("host_us_per_step") is not None]
+    if hosts:
+        lines += ["", "The engine thread's host work per step (µs; rest: token readback and bookkeeping; not "
+                  "running: host time less the thread's CPU time, waiting for the GIL or a core):", "",
+                  "| workload | sampling | concurrency | path | host | schedule | submit | update | rest | "
+                  "CPU | not running |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in hosts:
+            phases = [r.get(f"{p}_us_per_step") for p in HOST_PHASES]
+            cpu = r.get("host_cpu_us_per_step")
+            rest = r["host_us_per_step"] - sum(phases) if None not in phases else None
+            off = r["host_us_per_step"] - cpu if cpu else None
+            lines.append(f"| {r['workload']} | {r['sampling']} | {r['concurrency']} | {r['path']} | "
+                         f"{r['host_us_per_step']:.0f} | " + " | ".join(_f(v, '.0f') for v in phases)
+                         + f" | {_f(rest, '.0f')} | {_f(cpu, '.0f')} | {_f(off, '.0f')} |")
     return "\n".join(lines) + "\n"
 
 

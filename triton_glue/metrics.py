@@ -50,9 +50,15 @@ NAMES = {
     "idle": "llm_gpu_idle_gap_seconds",
     "step_s": "llm_step_seconds_total",
     "step_wait_s": "llm_step_gpu_wait_seconds_total",
+    "step_phase_s": "llm_step_phase_seconds_total",
+    "step_cpu_s": "llm_step_host_cpu_seconds_total",
     "sent": "llm_responses_sent_total",
     "send_s": "llm_response_send_seconds_total",
 }
+
+
+# EngineStats' host phases of a step (`<phase>_time_s`), the phase label of llm_step_phase_seconds_total
+STEP_PHASES = ("schedule", "submit", "update")
 
 
 class _Locked:
@@ -132,6 +138,12 @@ class EngineMetrics:
         self.step_seconds = metric(fam("step_s", MF.COUNTER, "Seconds the engine thread spent in step()"))
         self.step_wait_seconds = metric(fam("step_wait_s", MF.COUNTER, "Of those, seconds it waited on the "
                                                                        "device for a step's tokens"))
+        f = fam("step_phase_s", MF.COUNTER, "Of the host part of step(), seconds in each phase: schedule, "
+                                            "submit (plan and launch), update (tokens, stops, outputs)")
+        self.step_phase_seconds = {p: metric(f, {"phase": p}) for p in STEP_PHASES}
+        self.step_host_cpu_seconds = metric(fam("step_cpu_s", MF.COUNTER, "The engine thread's CPU seconds in "
+                                                "step() outside its waits (host seconds - CPU seconds: the "
+                                                "thread waited for the GIL or a core)"))
         # The stub's sends: counted in the sending thread, exported with the engine stats (a
         # metric update is itself a call to the server: one per send would double their cost).
         self.responses_sent = metric(fam("sent", MF.COUNTER, "Responses the llm model sent for requests in the engine"))
@@ -145,7 +157,7 @@ class EngineMetrics:
         self._pending_finished: dict[str, int] = {}
         # each EngineStats total exported so far: the counters grow by the difference
         self._last = {"async": 0, "sync": 0, "prefill_steps": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0,
-                      "step_s": 0.0, "step_wait_s": 0.0}
+                      "step_s": 0.0, "step_wait_s": 0.0, "step_cpu_s": 0.0, **{p: 0.0 for p in STEP_PHASES}}
         self._vllm_alias = {"pc_queried": self.vllm_pc_queried, "pc_hit": self.vllm_pc_hit,
                             "preempt": self.vllm_preempt}
 
@@ -204,7 +216,9 @@ class EngineMetrics:
                               ("pc_queried", getattr(st, "prefix_cache_queried_tokens_total", 0), self.pc_queried),
                               ("pc_hit", getattr(st, "prefix_cache_hit_tokens_total", 0), self.pc_hit),
                               ("step_s", getattr(st, "step_time_s", 0.0), self.step_seconds),
-                              ("step_wait_s", getattr(st, "wait_time_s", 0.0), self.step_wait_seconds)):
+                              ("step_wait_s", getattr(st, "wait_time_s", 0.0), self.step_wait_seconds),
+                              ("step_cpu_s", getattr(st, "host_cpu_time_s", 0.0), self.step_host_cpu_seconds),
+                              *((p, getattr(st, f"{p}_time_s", 0.0), self.step_phase_seconds[p]) for p in STEP_PHASES)):
             delta = total - self._last[key]
             if delta > 0:
                 m.increment(delta)

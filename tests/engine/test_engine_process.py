@@ -236,6 +236,21 @@ def test_startup_errors_reraised_like_the_in_process_engine(tmp_path):
     assert "model_path" in str(got.value) or "config.json" in str(got.value)
 
 
+def test_core_switch_interval_from_the_environment(path, monkeypatch):
+    """BACKEND_LIB_CORE_SWITCH_INTERVAL_MS (the llm model's gil_switch_interval_ms) sets the
+    core's GIL switch interval; a bad value fails the start naming the variable."""
+    monkeypatch.setenv("BACKEND_LIB_CORE_SWITCH_INTERVAL_MS", "0.25")
+    c = EngineProcessClient(EngineConfig(model_path=path, **KW))
+    try:
+        assert c.core_switch_interval_s == pytest.approx(0.00025)
+        assert list(c.add_request("s", [5, 6, 7], greedy(3)))[-1].finished
+    finally:
+        c.shutdown()
+    monkeypatch.setenv("BACKEND_LIB_CORE_SWITCH_INTERVAL_MS", "0")
+    with pytest.raises(ValueError, match="BACKEND_LIB_CORE_SWITCH_INTERVAL_MS must be a positive number"):
+        EngineProcessClient(EngineConfig(model_path=path, **KW))
+
+
 def _fail_both(path, after_steps):
     """(outputs, health, error text) of one long request on an engine whose loop fails."""
     res = []
@@ -259,7 +274,7 @@ def test_engine_death_like_the_in_process_engine(path):
     (want, want_late, want_counts), (got, got_late, got_counts) = _fail_both(path, 12)
     assert want_counts["async_steps_total"] > 0 and want_counts["generation_tokens_total"] == len(
         sum((o.new_token_ids for o in want), []))
-    for timed in ("step_time_s", "wait_time_s"):  # seconds: each run its own
+    for timed in [f for f in COUNTER_FIELDS if f.endswith("_time_s")]:  # seconds: each run its own
         assert got_counts.pop(timed) > 0 and want_counts.pop(timed) > 0
     assert got_counts == want_counts
     assert [(o.new_token_ids, o.finished, o.finish_reason, o.error) for o in got] == \

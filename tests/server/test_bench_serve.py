@@ -80,6 +80,11 @@ def test_every_row_with_all_its_requests_and_no_errors(report):
             # every request's prompt rides in some step: a share of the steps, not all of them
             # (outputs of OUTPUT tokens take decode steps of their own)
             assert 0 < r["prefill_step_share"] < 1 and r["host_us_per_step"] > 0, (key, r)
+            # the host time by phase (from llm_step_phase_seconds_total through Triton): each
+            # phase ran, and the phases are parts of the host time, not more
+            phases = [r[f"{p}_us_per_step"] for p in ("schedule", "submit", "update")]
+            assert min(phases) > 0 and sum(phases) <= r["host_us_per_step"] * 1.001, (key, r)
+            assert 0 < r["host_cpu_us_per_step"], (key, r)
     burst = {r["path"]: r for r in rows if r["workload"] == "burst"}
     # the same requests in both modes: the same tokens, async on (CPU stand-ins) vs off
     assert burst["in-process, async handoff on"]["async_enabled"] is True
@@ -90,7 +95,10 @@ def test_every_row_with_all_its_requests_and_no_errors(report):
 def test_markdown_table_has_a_line_per_row(report):
     data, md, stdout, _ = report
     assert md in stdout
-    lines = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| workload") and
+    main, _, hosts = md.partition("The engine thread's host work per step")
+    host_lines = [l for l in hosts.splitlines() if l.startswith("| ") and not l.startswith("| workload")]
+    assert len(host_lines) == sum(1 for r in data["rows"] if r.get("host_us_per_step") is not None) > 0
+    lines = [l for l in main.splitlines() if l.startswith("| ") and not l.startswith("| workload") and
              not l.startswith("| path")]
     assert len(lines) == len(data["rows"])
     for r in data["rows"]:

@@ -32,6 +32,7 @@ _ROOT = Path(__file__).resolve().parents[3]
 if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from backend_lib.envs import CORE_SWITCH_INTERVAL_ENV  # noqa: E402
 from backend_lib.os_threads import NamedThread  # noqa: E402
 from triton_glue import config as glue_config  # noqa: E402
 from triton_glue.bls import CANCEL_PREFIX  # noqa: E402
@@ -189,6 +190,7 @@ class TritonPythonModel:
         switch_ms = glue_config.glue_parameter(self.model_config, "gil_switch_interval_ms").strip()
         if switch_ms:
             sys.setswitchinterval(glue_config.positive_ms("gil_switch_interval_ms", switch_ms) / 1e3)
+            os.environ[CORE_SWITCH_INTERVAL_ENV] = switch_ms  # and the engine core's, started from here
         self.metrics = EngineMetrics(pb_utils, {"model": self.name, "version": args["model_version"]})
 
         in_process = not glue_config.engine_process(self.model_config)
