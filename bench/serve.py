@@ -69,7 +69,7 @@ from typing import Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
-from backend_lib.envs import CORE_PROFILE_ENV  # noqa: E402
+from backend_lib.envs import CORE_PROFILE_ENV, CORE_SWITCH_INTERVAL_ENV  # noqa: E402
 from backend_lib.free_port import free_ports  # noqa: E402
 from bench import proc_cpu  # noqa: E402
 
@@ -302,12 +302,15 @@ def new_engine(params: dict[str, str], process: bool = False, **overrides):
     cfg = EngineConfig.from_parameters(dict(params, **overrides))
     # the llm model's process-wide GIL switch interval, when the run sets one (--set), applies
     # here too, so that both paths run with the same one
+    # (and the engine core's, with process=True, as the llm model sets it)
     switch_ms = params.get("gil_switch_interval_ms", "").strip()
     if switch_ms:
         from triton_glue.config import positive_ms
         sys.setswitchinterval(positive_ms("gil_switch_interval_ms", switch_ms) / 1e3)
+        os.environ[CORE_SWITCH_INTERVAL_ENV] = switch_ms
     else:
         sys.setswitchinterval(PYTHON_SWITCH_INTERVAL_S)
+        os.environ.pop(CORE_SWITCH_INTERVAL_ENV, None)
     t = time.perf_counter()
     if process:
         eng = EngineProcessClient(cfg, merge_queued_outputs=True)
