@@ -129,13 +129,19 @@ ENGINE_STALL_TIMEOUT_ENV = "BACKEND_LIB_ENGINE_STALL_TIMEOUT_S"
 
 def engine_stall_timeout_s() -> float:
     v = os.environ.get(ENGINE_STALL_TIMEOUT_ENV, "300").strip() or "300"
-    try:
-        s = float(v)
-    except ValueError:
-        s = -1.0
-    if not s > 0:
+    s = _positive_number(v)
+    if s is None:
         raise ValueError(f"{ENGINE_STALL_TIMEOUT_ENV}={v!r}: must be a number of seconds > 0")
     return s
+
+
+def _positive_number(raw: str) -> Optional[float]:
+    """float(raw) when it is a number > 0 (not nan), else None."""
+    try:
+        v = float(raw)
+    except ValueError:
+        return None
+    return v if v > 0 else None
 
 
 def force_sync() -> bool:
@@ -172,11 +178,8 @@ def core_switch_interval_s() -> Optional[float]:
     raw = os.environ.get(CORE_SWITCH_INTERVAL_ENV, "").strip()
     if not raw:
         return None
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0
-    if not ms > 0:
+    ms = _positive_number(raw)
+    if ms is None:
         raise ValueError(f"{CORE_SWITCH_INTERVAL_ENV} must be a positive number of milliseconds, not {raw!r}")
     return ms / 1e3
 
