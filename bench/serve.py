@@ -35,7 +35,11 @@ Per request: TTFT = first response - send; TPOT = (last response - first respons
 over requests. Output tok/s = tokens / (last response - first send). Errors = failed requests
 (the server's nv_inference_request_failure delta and perf_analyzer's exit status) + requests
 whose token count is not their max_tokens. GPU busy = mean nvidia-smi utilization.gpu sampled
-every 100 ms over the point (CUDA only).
+every 100 ms over the point (CUDA only). Where the engine thread's host time goes, per step
+(second table): schedule / submit / update (EngineStats, and through Triton the llm metrics
+llm_step_phase_seconds_total), its CPU time, and "not running" (host time less CPU time: waits
+for the GIL or a core). --core-profile is cProfile over every thread of the core (Python 3.12
+profiles them all), which slows the loop: use it for where, not how much.
 
 Output: the markdown table on stdout and serve.md, every row in serve.json (--out-dir), both
 rewritten after every row. A server that does not start, or a part that fails, is recorded in
