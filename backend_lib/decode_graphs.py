@@ -10,9 +10,11 @@ tests exactly as it runs on the GPU.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .handoff import host_tensor
@@ -40,6 +42,9 @@ def graph_buckets(max_batch: int) -> tuple[int, ...]:
     if max_batch not in buckets and max_batch < GRAPH_BUCKETS[-1]:
         buckets += (min(b for b in GRAPH_BUCKETS if b >= max_batch),)
     return buckets
+
+
+_START_POS = operator.attrgetter("start_pos")  # of a ScheduledRow
 
 
 class DecodeMeta:
@@ -71,6 +76,23 @@ class DecodeMeta:
                 [r.request.slot for r in rows],
                 [1] * len(rows)]
         return [row + [fill] * pad for row, fill in zip(meta, cls.PAD)]
+
+    @classmethod
+    def host_relay(cls, rows: Sequence, slots: Sequence[int], bucket: int) -> torch.Tensor:
+        """host_rows(rows, bucket - len(rows)) as a tensor, for rows that all take their input
+        id from the relay (every id 0, relay_src = slot: steady decode), built a row of the
+        table at a time in numpy. The batch changes at nearly every step of a served engine
+        (a request ends, one joins), so this runs about as often as the step itself."""
+        n = len(rows)
+        m = np.empty((cls.NUM_ROWS, bucket), dtype=np.int64)
+        m[:, n:] = np.array(cls.PAD, dtype=np.int64)[:, None]
+        s = np.array(slots, dtype=np.int64)
+        m[0, :n] = 0
+        m[1, :n] = s
+        m[2, :n] = np.fromiter(map(_START_POS, rows), dtype=np.int64, count=n)
+        m[3, :n] = s
+        m[4, :n] = 1
+        return torch.from_numpy(m)
 
 
 class EagerGraph:
@@ -169,7 +191,8 @@ class DecodeGraphs:
             # Only positions changed since the last replay, and the program advanced them.
             self.steps_reused += 1
         else:
-            meta = host_tensor(DecodeMeta.host_rows(rows, bucket - len(rows)))
+            meta = (DecodeMeta.host_relay(rows, key[2], bucket) if all_relay
+                    else host_tensor(DecodeMeta.host_rows(rows, bucket - len(rows))))
             self.steps_uploaded += 1
         # Reuse is sound only while every row's input id comes from the relay: a host-known
         # id saved here (a recomputed request's 1-token final prefill chunk) would be fed

@@ -50,6 +50,7 @@ class TableUpdates:
     floats: list[list[float]]   # admissions: ADMISSION_FLOATS
     growth: list[list[int]]     # KV growth: [slots], [block indices], [block ids]
     history: list[list[int]]    # penalty rows' known tokens: [slots], [tokens], [is_output]
+    num_penalized: int = 0      # the first admissions, those with penalties (their state is reset)
 
 
 # Floats per admission row.
@@ -101,10 +102,13 @@ class ModelRunner:
         self.top_k, self.seed, self.prompt_len, self.min_tokens = self.slot_ints[:, :4].unbind(1)
         self.banned = self.slot_ints[:, 4:4 + k]           # ids never sampled
         self.min_stop = self.slot_ints[:, 4 + k:]          # stop ids masked until min_tokens
-        self.slot_floats = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float32, device=dev).repeat(n + 1, 1)
-        self.temperature, self.top_p, self.min_p = self.slot_floats.unbind(1)  # ADMISSION_FLOATS[:3]
-        # Penalty state lives where the sampler runs (the last pipeline stage).
-        self.penalties = PenaltyState(n + 1, s.vocab_size, dev) if self.model.is_last else None
+        # One row per ADMISSION_FLOATS name (each a contiguous per-slot vector), neutral values
+        self.slot_floats = torch.tensor([[1.0], [1.0], [0.0], [1.0], [0.0], [0.0]], dtype=torch.float32,
+                                        device=dev).repeat(1, n + 1)
+        self.temperature, self.top_p, self.min_p = self.slot_floats[:3].unbind(0)
+        # Penalty state lives where the sampler runs (the last pipeline stage); its
+        # parameters are the last three rows.
+        self.penalties = PenaltyState(self.slot_floats[3:], s.vocab_size) if self.model.is_last else None
         # Host mirrors of per-slot flags that pick the cheaper sampling program: the slots whose
         # request (the last one admitted there) samples, needs masks/filters/penalties, wants
         # logprobs. Sets, so that an all-greedy batch answers without a pass over its rows.
@@ -167,13 +171,13 @@ class ModelRunner:
         if not (up.ints or up.history[0] or up.growth[0]):
             return None
         return TablePlan.pack(up.ints, up.floats, up.history, up.growth, self.admission_width,
-                              len(ADMISSION_FLOATS))
+                              len(ADMISSION_FLOATS), up.num_penalized)
 
     def apply_tables(self, t: TablePlan) -> None:
         """Device side: one async H2D copy (pinned staging), then a scatter per section."""
         sec = t.sections(self.staging.upload_tensor(t.packed))
         if sec.admissions is not None:
-            self.apply_admissions(sec.admissions, sec.admission_floats)
+            self.apply_admissions(sec.admissions, sec.admission_floats, sec.penalty_resets)
         if sec.history is not None:
             self.apply_history(sec.history)
         if sec.growth is not None:
@@ -192,9 +196,11 @@ class ModelRunner:
         cols: list[int] = []
         vals: list[int] = []
         history: list[list[int]] = [[], [], []]
+        num_penalized = 0
         if sched.new_slots:
             k, w = self.banned.shape[1], self.min_stop.shape[1]
-            for req in sched.new_slots:
+            # Admissions with penalties first: only their slots' penalty state is reset.
+            for req in sorted(sched.new_slots, key=lambda r: not _has_penalties(r.sampling)):
                 sp, slot = req.sampling, req.slot
                 stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
                 ints.append([slot, sp.top_k, req.effective_seed, req.num_prompt_tokens, sp.min_tokens]
@@ -213,6 +219,7 @@ class ModelRunner:
                     else:
                         flagged.discard(slot)
                 if penalized:
+                    num_penalized += 1
                     # The tokens this request already has (prompt, and outputs from before a
                     # preemption) seed its penalty state; later tokens count on the device.
                     known = req.prompt_token_ids + req.output_token_ids
@@ -229,15 +236,17 @@ class ModelRunner:
                 rows.extend([req.slot] * (len(blocks) - first))
                 cols.extend(range(first, len(blocks)))
                 vals.extend(blocks[first:])
-        return TableUpdates(ints, floats, [rows, cols, vals], history)
+        return TableUpdates(ints, floats, [rows, cols, vals], history, num_penalized)
 
-    def apply_admissions(self, it: torch.Tensor, ft: torch.Tensor) -> None:
-        """Device side: scatter admission rows ([A, admission_width] int64, [A, ADMISSION_FLOATS] f32)."""
+    def apply_admissions(self, it: torch.Tensor, ft: torch.Tensor, penalty_resets: Optional[torch.Tensor]) -> None:
+        """Device side: scatter admission rows ([A, admission_width] int64, [A, ADMISSION_FLOATS]
+        f32, the penalty parameters included); penalty_resets: the slots of the admissions
+        with penalties, whose penalty state restarts (None: none)."""
         slots = it[:, 0]
         self.slot_ints[slots] = it[:, 1:]
-        self.slot_floats[slots] = ft[:, :self.slot_floats.shape[1]]
-        if self.penalties is not None:
-            self.penalties.admit(slots, ft[:, 3:6])
+        self.slot_floats[:, slots] = ft.T
+        if self.penalties is not None and penalty_resets is not None:
+            self.penalties.reset(penalty_resets)
 
     def apply_history(self, hist: torch.Tensor) -> None:
         """Device side: penalty state of admitted slots from their known tokens ([3, H] int64)."""
@@ -282,7 +291,8 @@ class ModelRunner:
             graphs.invalidate()
         if sched.is_decode_only:
             # Decode larger than every graph bucket (or no graphs): the same program, eagerly.
-            meta = host_tensor(DecodeMeta.host_rows(rows, 0))
+            meta = (DecodeMeta.host_relay(rows, sched.slots, len(rows)) if sched.all_inputs_from_relay
+                    else host_tensor(DecodeMeta.host_rows(rows, 0)))
             return StepPlan(len(rows), greedy, masks, logprobs, tables, StepProgram.DECODE_EAGER, decode_meta=meta)
         packed = self.pack_mixed(sched)
         mixed = self.mixed_graphs

@@ -61,8 +61,9 @@ from .scheduler import SchedulerOutput
 logger = logging.getLogger("backend_lib")
 
 # ---- the packed step description ------------------------------------------------------------
-HEADER_LEN = 12
-_OP, _STEP, _S, _T, _A, _G, _GREEDY, _MASKS, _NSAMP, _PLEN, _LOGPROBS, _HIST = range(12)
+HEADER_LEN = 13
+# _PEN: the first _PEN admissions have penalties (runner.apply_admissions resets their state)
+_OP, _STEP, _S, _T, _A, _G, _GREEDY, _MASKS, _NSAMP, _PLEN, _LOGPROBS, _HIST, _PEN = range(13)
 OP_STEP, OP_STOP = 1, 2
 # Idle workers block on the next header for as long as the engine idles: the group timeout
 # is effectively infinite; stage 0 bounds its own waits with envs.pp_timeout_s().
@@ -146,7 +147,7 @@ def pack_step(runner: ModelRunner, sched: SchedulerOutput, eos_ids: tuple[int, .
     header[_OP], header[_STEP], header[_S], header[_T] = OP_STEP, sched.step_id, packed.row.shape[1], packed.num_tokens
     header[_A], header[_G], header[_GREEDY], header[_MASKS] = len(ints), len(growth[0]), int(greedy), int(masks)
     header[_NSAMP], header[_PLEN] = n_samples, payload.numel()
-    header[_LOGPROBS], header[_HIST] = int(logprobs), len(up.history[0])
+    header[_LOGPROBS], header[_HIST], header[_PEN] = int(logprobs), len(up.history[0]), up.num_penalized
     return header, payload, packed.seq_lens, packed.q_lens
 
 
@@ -156,7 +157,7 @@ def stage_forward(runner: ModelRunner, h: list[int], payload_dev: torch.Tensor, 
     stage's layers. Stage 0 gathers input ids (relay); later stages take hidden_in."""
     sec = _sections(payload_dev, h, runner.admission_width)
     if runner.model.is_last and h[_A]:
-        runner.apply_admissions(sec.adm_ints, sec.adm_floats)
+        runner.apply_admissions(sec.adm_ints, sec.adm_floats, sec.adm_ints[:h[_PEN], 0] if h[_PEN] else None)
     if runner.model.is_last and h[_HIST]:
         runner.apply_history(sec.history)
     if h[_G]:

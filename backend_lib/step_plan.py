@@ -34,6 +34,7 @@ class TableSections(NamedTuple):
     admission_floats: Optional[torch.Tensor]  # [A, F] float32 (model_runner.ADMISSION_FLOATS)
     history: Optional[torch.Tensor]           # [3, H] int64: penalty rows' slot, known token, is_output
     growth: Optional[torch.Tensor]            # [3, G] int64: slot, block index, block id
+    penalty_resets: Optional[torch.Tensor]    # [R] int64: the slots of the first R admissions (with penalties)
 
 
 @dataclass(slots=True)
@@ -48,11 +49,13 @@ class TablePlan:
     num_admission_floats: int
     num_history: int
     num_growth: int
+    num_penalized: int = 0
 
     @classmethod
     def pack(cls, ints: list[list[int]], floats: list[list[float]], history: list[list[int]],
-             growth: list[list[int]], width: int, num_floats: int) -> "TablePlan":
-        """ints / floats: one row per admission; history / growth: three rows each."""
+             growth: list[list[int]], width: int, num_floats: int, num_penalized: int = 0) -> "TablePlan":
+        """ints / floats: one row per admission, those with penalties first (num_penalized of
+        them); history / growth: three rows each."""
         if num_floats % 2:
             raise ValueError(f"admission floats pack two to an int64: {num_floats} is odd")
         a, h, g = len(ints), len(history[0]), len(growth[0])
@@ -67,7 +70,7 @@ class TablePlan:
             o += 3 * h
         if g:
             buf[o:] = int64_array(growth[0] + growth[1] + growth[2])
-        return cls(torch.from_numpy(buf), a, width, num_floats, h, g)
+        return cls(torch.from_numpy(buf), a, width, num_floats, h, g, num_penalized)
 
     def sections(self, packed: torch.Tensor) -> TableSections:
         """Views of `packed` (this plan's tensor, or its device copy) by section."""
@@ -78,7 +81,8 @@ class TablePlan:
         adm_f = packed[a * w:o].view(torch.float32).view(a, f) if a else None
         hist = packed[o:o + 3 * h].view(3, h) if h else None
         growth = packed[o + 3 * h:].view(3, g) if g else None
-        return TableSections(adm, adm_f, hist, growth)
+        resets = adm[:self.num_penalized, 0] if self.num_penalized else None
+        return TableSections(adm, adm_f, hist, growth, resets)
 
 
 @dataclass(slots=True)

@@ -5,12 +5,16 @@ device state.
     logit = seen ? (logit > 0 ? logit / repetition : logit * repetition) : logit   (HF's formula)
     logit -= frequency * output_count + presence * (output_count > 0)            (OpenAI's)
 
-State per slot, on the device: the prompt's token set and the output token counts. A slot's
-rows are reset and filled from the host at admission (prompt + the outputs a preempted
-request already has), and each sampled token is counted inside the step, right after it is
-sampled: token n counts before token n+1 is sampled, whatever the steps in flight. A stop
+State per slot, on the device: the three parameters (rows of the runner's admission floats,
+written by its one admission scatter), the prompt's token set and the output token counts.
+Each sampled token is counted inside the step, right after it is sampled: token n counts
+before token n+1 is sampled, whatever the steps in flight. The set and the counts are reset
+and filled from the host (prompt + the outputs a preempted request already has) only when a
+request WITH penalties is admitted: a row with neutral parameters (1, 0, 0) never reads them
+(the kernels skip it, the reference leaves it bit-identical), so what an earlier owner of the
+slot left there is harmless, and an admission without penalties costs no reset. A stop
 overshoot (a token sampled for a request already finished) lands in a slot that its next
-owner's admission resets first (same stream), so it never counts.
+penalized owner's admission resets first (same stream), so it never counts.
 """
 from __future__ import annotations
 
@@ -18,20 +22,18 @@ import torch
 
 
 class PenaltyState:
-    def __init__(self, num_slots: int, vocab: int, device: torch.device):
-        """num_slots includes the runner's scratch slot (the last row)."""
+    def __init__(self, params: torch.Tensor, vocab: int):
+        """params [3, num_slots] float32 (repetition, presence, frequency; neutral where no
+        request with penalties was admitted), owned and written by the caller; num_slots
+        includes the runner's scratch slot (the last row)."""
+        num_slots, device = params.shape[1], params.device
         self.vocab = vocab
         self.counts = torch.zeros(num_slots, vocab, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)
-        self.repetition = torch.ones(num_slots, dtype=torch.float32, device=device)
-        self.presence = torch.zeros(num_slots, dtype=torch.float32, device=device)
-        self.frequency = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.repetition, self.presence, self.frequency = params.unbind(0)  # contiguous rows
 
-    def admit(self, slots: torch.Tensor, params: torch.Tensor) -> None:
-        """slots [A] int64; params [A, 3] f32 (repetition, presence, frequency): reset rows."""
-        self.repetition[slots] = params[:, 0]
-        self.presence[slots] = params[:, 1]
-        self.frequency[slots] = params[:, 2]
+    def reset(self, slots: torch.Tensor) -> None:
+        """slots [R] int64: slots just given to requests with penalties (their history follows)."""
         # index_fill_ takes the value as a kernel argument; `t[slots] = 0` copies a host
         # scalar tensor to the device, a pageable copy that synchronizes the stream (measured:
         # every admission step blocked the host until the GPU drained).

@@ -224,3 +224,18 @@ def test_churn_with_forced_preemptions_async_equals_sync(tiny_llama_path, budget
     # Every sampling variant ran through the graphs.
     assert asyn_log.variants == sync_log.variants == {(True, False, False), (False, False, False), (False, True, False)}
     assert {s.rid: sync.results[s.rid].tokens for s in specs} == {s.rid: asyn.results[s.rid].tokens for s in specs}
+
+
+def test_relay_metadata_equals_the_row_by_row_build():
+    """DecodeMeta.host_relay (numpy, for steady decode rows) builds exactly host_rows' table,
+    padding included, for relay rows as the scheduler makes them (ScheduledRow)."""
+    from backend_lib.decode_graphs import DecodeMeta
+    from backend_lib.handoff import host_tensor
+    from backend_lib.scheduler import _RELAY_IDS
+    rng = random.Random(3)
+    for n, bucket in ((1, 1), (3, 8), (200, 256), (256, 256)):
+        slots = rng.sample(range(512), n)
+        rows = [ScheduledRow(SimpleNamespace(slot=s), rng.randint(1, 4000), 1, True, _RELAY_IDS, True) for s in slots]
+        want = host_tensor(DecodeMeta.host_rows(rows, bucket - n))
+        got = DecodeMeta.host_relay(rows, slots, bucket)
+        assert got.dtype == want.dtype and torch.equal(got, want), (n, bucket)

@@ -347,3 +347,32 @@ def test_merged_queued_outputs_keep_each_index_and_their_logprobs():
     got = [(o.request_id, o.index, o.new_token_ids, o.new_logprobs, o.finished) for o in q.drain()]
     assert got == [("r", 1, [7, 8], [lp(7), lp(8)], False), ("r", 0, [1, 2], [lp(1), lp(2)], True),
                    ("q", 0, [5], None, False)]
+
+
+def _hf_greedy(path, prompt, sp, n):
+    with torch.inference_mode():
+        return hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                       eos_token_id=None, pad_token_id=3,
+                                       logits_processor=_processors(len(prompt), sp))[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("async_mode", ["off", "on"])
+def test_slots_reused_between_requests_with_and_without_penalties(path, async_mode):
+    """Penalty state is reset only when a request with penalties is admitted: a request
+    without them that takes a slot a penalized one left (its counts and prompt set still
+    there) samples as plain greedy, beside a penalized row in the same steps (so its row
+    goes through the penalty pass); a penalized request that takes a used slot starts clean."""
+    eng = make_engine(path, async_token_handoff=async_mode, max_num_seqs=2)
+    prompts = _prompts(4, seed=5)
+    pen = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **PENALTIES[0])
+    pen2 = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **PENALTIES[2])
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # A alone in slot 0; then C (slot 1) and B (slot 0, A's state) together; then D and E in
+    # the slots B and C leave
+    rounds = [[(prompts[0], pen)], [(prompts[1], pen2), (prompts[2], plain)],
+              [(prompts[3], pen), (prompts[2], pen2)]]
+    for batch in rounds:
+        outs = eng.generate([p for p, _ in batch], [sp for _, sp in batch])
+        for (p, sp), o in zip(batch, outs):
+            assert o.token_ids == _hf_greedy(path, p, sp, 16), (sp, p)
+    assert eng.stats().kv_blocks_used == 0

@@ -19,6 +19,9 @@ def test_sections_read_back_what_was_packed():
     assert sec.admission_floats.tolist() == np.array(floats, dtype=np.float32).tolist()
     assert sec.history.tolist() == history
     assert sec.growth.tolist() == growth
+    assert sec.penalty_resets is None  # no admission with penalties
+    penalized = TablePlan.pack(ints, floats, history, growth, width=7, num_floats=6, num_penalized=1)
+    assert penalized.sections(penalized.packed).penalty_resets.tolist() == [3]  # the first admission's slot
 
 
 def test_absent_sections_are_none():
