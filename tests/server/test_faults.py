@@ -197,14 +197,17 @@ def assert_some_broken(streams: list) -> None:
 
 
 class GrpcStream:
-    """One request on its own gRPC stream."""
+    """One request on its own gRPC stream (connected here, sent by send())."""
 
     def __init__(self, url: str, route: str, i: int):
         self.out = Outcome(route, "grpc")
+        self.route, self.i = route, i
         self.client = grpcclient.InferenceServerClient(url)
         self.client.start_stream(callback=self._cb)
-        body, batched = grpc_body(route, i)
-        self.client.async_stream_infer(route, inputs_from(body, batched), request_id=f"{route}-{i}",
+
+    def send(self):
+        body, batched = grpc_body(self.route, self.i)
+        self.client.async_stream_infer(self.route, inputs_from(body, batched), request_id=f"{self.route}-{self.i}",
                                        enable_empty_final_response=True)
 
     def _cb(self, result, error):
@@ -232,7 +235,7 @@ class GrpcStream:
 
 
 class HttpStream:
-    """One request through HTTP generate_stream (server-sent events)."""
+    """One request through HTTP generate_stream (server-sent events), sent by send()."""
 
     def __init__(self, port: int, route: str, i: int):
         self.out = Outcome(route, "http")
@@ -240,6 +243,8 @@ class HttpStream:
         body = {k: (v.reshape(-1).tolist() if isinstance(v, np.ndarray) else v) for k, v in body.items()}
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         self.thread = threading.Thread(target=self._run, args=(route, body), daemon=True)
+
+    def send(self):
         self.thread.start()
 
     def _run(self, route, body):
@@ -272,6 +277,11 @@ def start_streams(srv: Launched, per_route_grpc: int = 3) -> list:
     for route in ROUTES:
         streams += [GrpcStream(f"127.0.0.1:{srv.grpc_port}", route, i) for i in range(per_route_grpc)]
         streams.append(HttpStream(srv.http_port, route, 100))
+    # Every request goes out once every client is connected: on a loaded box connecting took
+    # long enough that the first streams (LONG tokens of the tiny model: a few seconds) had
+    # ended before the last one started.
+    for s in streams:
+        s.send()
     # every stream is generating before the fault
     t0 = time.monotonic()
     state = lambda: [(s.out.route, s.out.proto, s.out.tokens, s.out.end, s.out.message) for s in streams]
