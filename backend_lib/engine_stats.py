@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The host phases of a step, each kept as EngineStats.<phase>_time_s (the llm metric
+# llm_step_phase_seconds_total labels them so)
+HOST_PHASES = ("schedule", "submit", "update")
+
 
 @dataclass
 class EngineStats:

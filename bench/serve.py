@@ -73,6 +73,7 @@ from typing import Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+from backend_lib.engine_stats import HOST_PHASES  # noqa: E402
 from backend_lib.envs import CORE_PROFILE_ENV, CORE_SWITCH_INTERVAL_ENV  # noqa: E402
 from backend_lib.free_port import free_ports  # noqa: E402
 from bench import proc_cpu  # noqa: E402
@@ -344,10 +345,6 @@ def free_engine(eng) -> None:
 
 INPROC_LABEL = "in-process AsyncEngine"
 ENGINE_PROCESS_LABEL = "in-process EngineProcessClient"
-
-
-# EngineStats' host phases of a step (<phase>_time_s; the llm metric's phase label)
-HOST_PHASES = ("schedule", "submit", "update")
 
 
 def engine_step_stats(s0, s1, seconds: float) -> dict:

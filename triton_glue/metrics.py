@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
+from backend_lib.engine_stats import HOST_PHASES
+
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
 TPOT_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                 1.0, 2.5]
@@ -55,10 +57,6 @@ NAMES = {
     "sent": "llm_responses_sent_total",
     "send_s": "llm_response_send_seconds_total",
 }
-
-
-# EngineStats' host phases of a step (`<phase>_time_s`), the phase label of llm_step_phase_seconds_total
-STEP_PHASES = ("schedule", "submit", "update")
 
 
 class _Locked:
@@ -140,7 +138,7 @@ class EngineMetrics:
                                                                        "device for a step's tokens"))
         f = fam("step_phase_s", MF.COUNTER, "Of the host part of step(), seconds in each phase: schedule, "
                                             "submit (plan and launch), update (tokens, stops, outputs)")
-        self.step_phase_seconds = {p: metric(f, {"phase": p}) for p in STEP_PHASES}
+        self.step_phase_seconds = {p: metric(f, {"phase": p}) for p in HOST_PHASES}
         self.step_host_cpu_seconds = metric(fam("step_cpu_s", MF.COUNTER, "The engine thread's CPU seconds in "
                                                 "step() outside its waits (host seconds - CPU seconds: the "
                                                 "thread waited for the GIL or a core)"))
@@ -157,7 +155,7 @@ class EngineMetrics:
         self._pending_finished: dict[str, int] = {}
         # each EngineStats total exported so far: the counters grow by the difference
         self._last = {"async": 0, "sync": 0, "prefill_steps": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0,
-                      "step_s": 0.0, "step_wait_s": 0.0, "step_cpu_s": 0.0, **{p: 0.0 for p in STEP_PHASES}}
+                      "step_s": 0.0, "step_wait_s": 0.0, "step_cpu_s": 0.0, **{p: 0.0 for p in HOST_PHASES}}
         self._vllm_alias = {"pc_queried": self.vllm_pc_queried, "pc_hit": self.vllm_pc_hit,
                             "preempt": self.vllm_preempt}
 
@@ -218,7 +216,7 @@ class EngineMetrics:
                               ("step_s", getattr(st, "step_time_s", 0.0), self.step_seconds),
                               ("step_wait_s", getattr(st, "wait_time_s", 0.0), self.step_wait_seconds),
                               ("step_cpu_s", getattr(st, "host_cpu_time_s", 0.0), self.step_host_cpu_seconds),
-                              *((p, getattr(st, f"{p}_time_s", 0.0), self.step_phase_seconds[p]) for p in STEP_PHASES)):
+                              *((p, getattr(st, f"{p}_time_s", 0.0), self.step_phase_seconds[p]) for p in HOST_PHASES)):
             delta = total - self._last[key]
             if delta > 0:
                 m.increment(delta)

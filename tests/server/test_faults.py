@@ -277,9 +277,9 @@ def start_streams(srv: Launched, per_route_grpc: int = 3) -> list:
     for route in ROUTES:
         streams += [GrpcStream(f"127.0.0.1:{srv.grpc_port}", route, i) for i in range(per_route_grpc)]
         streams.append(HttpStream(srv.http_port, route, 100))
-    # Every request goes out once every client is connected: on a loaded box connecting took
-    # long enough that the first streams (LONG tokens of the tiny model: a few seconds) had
-    # ended before the last one started.
+    # Every request goes out once every client is connected, so the streams start together:
+    # LONG tokens of the tiny model take only seconds, and in a CI run on a loaded box four
+    # streams had already ended when the last ones reached their second token.
     for s in streams:
         s.send()
     # every stream is generating before the fault
