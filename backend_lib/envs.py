@@ -77,6 +77,17 @@ def decode_gemv() -> str:
     return _switch(DECODE_GEMV_ENV, ("implicit", "pdl", "nopdl"))
 
 
+# One-token MLPs as one kernel each (backend_lib/layers/decode_mlp.py: add + norm, gate/up,
+# silu * mul and down, the down projection split over the intermediate channels with fp32
+# atomics): on (where start-up timing beats decode_gemv's two kernels), force (every layer,
+# untimed: tests), off. Needs BACKEND_LIB_DECODE_GEMV on; CUDA engines only.
+DECODE_MLP_ENV = "BACKEND_LIB_DECODE_MLP"
+
+
+def decode_mlp() -> str:
+    return _switch(DECODE_MLP_ENV, ("force",))
+
+
 # The decode program's per-row inputs (ids, slots, KV slots, block tables, lengths; see
 # backend_lib/layers/decode_prep.py) on CUDA: on (one Triton kernel, the default) or off (the
 # ~20 torch ops it replaces).

@@ -70,8 +70,9 @@ if HAS_TRITON:
     @triton.jit
     def _stream_chunk(X, R, offs, mask, HAS_RES: tl.constexpr, DT: tl.constexpr):
         """The residual stream's values at offs, fp32: x, or x + residual rounded to DT the
-        way the unfused `x = x + f(x)` rounds."""
-        s = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        way the unfused `x = x + f(x)` rounds. An fp32 x (decode_mlp's accumulator) rounds to
+        DT first, where the unfused projection rounded its store."""
+        s = tl.load(X + offs, mask=mask, other=0.0).to(DT).to(tl.float32)
         if HAS_RES:
             s = (s + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
         return s
@@ -222,9 +223,12 @@ if HAS_TRITON:
             tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
 
 
-def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+def supported(x: torch.Tensor, w: torch.Tensor, prologue: int = PLAIN) -> bool:
+    """x: one contiguous row in w's dtype; or fp32 (decode_mlp's accumulator) where the
+    prologue adds it to the residual stream, which rounds it to w's dtype."""
+    x_dtype_ok = x.dtype == w.dtype or (prologue == ADD_RMSNORM and x.dtype == torch.float32)
     return (HAS_TRITON and (x.is_cuda or _INTERPRET) and x.dim() == 2 and x.shape[0] == 1
-            and w.dim() == 2 and w.stride(1) == 1 and x.is_contiguous() and x.dtype == w.dtype)
+            and w.dim() == 2 and w.stride(1) == 1 and x.is_contiguous() and x_dtype_ok)
 
 
 @dataclass(frozen=True)
@@ -255,9 +259,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     x + residual as the new residual (into residual_out when given: the tests poison it).
     rope: y is q/k/v, rotated, and k/v also land in the cache (RopeKV). early_release (with
     pdl): let the next kernel launch as this one starts, not only as it exits."""
-    if not supported(x, w):
+    if not supported(x, w, prologue):
         raise ValueError(f"decode_gemv: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
-                         "not supported (one contiguous row, w's rows contiguous, one dtype, Triton)")
+                         "not supported (one contiguous row, w's rows contiguous, one dtype (fp32 x "
+                         "only before add + norm), Triton)")
     n, k = w.shape
     want = 2 * k if prologue == SILU_MUL else k
     if x.shape[1] != want:
@@ -269,8 +274,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
                                     or not residual.is_contiguous()):
         raise ValueError("decode_gemv: ADD_RMSNORM needs a contiguous residual shaped like x")
     for name, t in (("residual", residual), ("ln_weight", ln_weight), ("bias", b)):
-        if t is not None and t.dtype != x.dtype:
-            raise ValueError(f"decode_gemv: {name} is {t.dtype}, x is {x.dtype} (one dtype)")
+        if t is not None and t.dtype != w.dtype:
+            raise ValueError(f"decode_gemv: {name} is {t.dtype}, w is {w.dtype} (one dtype)")
     if residual_out is not None and residual_out.data_ptr() in {t.data_ptr() for t in (x, residual)
                                                                 if t is not None}:
         raise ValueError("decode_gemv: residual_out must not alias x or residual (program 0 "
@@ -292,10 +297,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
                      rope.slot_mapping, rope.cos.stride(0))
         rope_meta = dict(ROPE=True, HQ=rope.num_heads, HKV=rope.num_kv_heads, HEAD_DIM=d,
                          HALF=d // 2)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty(1, n, dtype=w.dtype, device=x.device) if out is None else out
     new_res = None
     if prologue == ADD_RMSNORM:
-        new_res = torch.empty_like(x) if residual_out is None else residual_out
+        new_res = torch.empty_like(residual) if residual_out is None else residual_out
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
         w, b if b is not None else w, y, new_res if new_res is not None else y,
@@ -407,8 +412,8 @@ class DecodeGemv:
             rope: Optional[RopeKV] = None):
         w = proj.weight
         cfg = self.configs.get(shape_key(prologue, w, proj.bias, rope is not None), DEFAULT_CONFIG)
-        if cfg is None or not supported(x, w):
-            return self.unfused(x, proj, prologue, residual, ln_weight, eps, rope)
+        if cfg is None or not supported(x, w, prologue):
+            return self.unfused(x.to(w.dtype), proj, prologue, residual, ln_weight, eps, rope)
         return gemv(x, proj.weight, proj.bias, prologue=prologue, residual=residual,
                     ln_weight=ln_weight, eps=eps, cfg=cfg, pdl=self.pdl, rope=rope,
                     early_release=self.early_release)

@@ -177,9 +177,12 @@ class DecoderLayer(nn.Module):
         h, residual = fused_ops.fused_add_rms_norm(h, residual, ln2.weight, ln2.eps)
         return self.mlp(h, fused=True), residual
 
-    def forward_one_token(self, h, residual, positions, rotary, kv_cache, meta, gemv):
+    def forward_one_token(self, h, residual, positions, rotary, kv_cache, meta, gemv,
+                          mlp_kernel=None):
         """forward_fused for a single token: each projection is one kernel that also runs the
-        op feeding it (add + norm, silu * mul), launched with PDL (layers/decode_gemv.py)."""
+        op feeding it (add + norm, silu * mul), launched with PDL (layers/decode_gemv.py).
+        mlp_kernel (layers/decode_mlp.LayerMlp): the whole MLP as one kernel, whose output h is an fp32
+        accumulator that the next projection's add + norm rounds."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp, s = self.self_attn, self.mlp, self.self_attn.s
         # Qwen3's per-head q/k norm needs whole heads: its rope stays a kernel of its own.
@@ -196,6 +199,8 @@ class DecoderLayer(nn.Module):
         o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True, pdl=gemv.pdl,
                         rotated=rope is not None, partials=gemv.merge_attention)
         h = gemv.project_attention(o, attn.o_proj)
+        if mlp_kernel is not None:
+            return mlp_kernel(h, residual, ln2, mlp)
         gate_up, residual = gemv.run(h, mlp.gate_up_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln2.weight, ln2.eps)
         h, _ = gemv.run(gate_up, mlp.down_proj, decode_gemv.SILU_MUL)
@@ -207,6 +212,7 @@ class DecoderModel(nn.Module):
 
     use_fused_ops = True  # set False (class or instance) to run the torch path on CUDA too
     one_token_gemv = None  # layers/decode_gemv.DecodeGemv: one-token forwards go through it
+    one_token_mlp = None  # layers/decode_mlp.DecodeMlp: their MLPs as one kernel each
 
     def __init__(self, hf_config, layer_start: int = 0, layer_end: Optional[int] = None):
         super().__init__()
@@ -229,12 +235,16 @@ class DecoderModel(nn.Module):
         if self._fused(x):
             residual = None
             one_token = self.one_token_gemv is not None and x.shape[0] == 1
-            for layer, kv in zip(self.layers, kv_caches):
+            mlp_kernels = self.one_token_mlp.for_layers(x, self.layers) if one_token and self.one_token_mlp else None
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 if one_token:
-                    x, residual = layer.forward_one_token(x, residual, positions, self.rotary, kv,
-                                                          meta, self.one_token_gemv)
+                    x, residual = layer.forward_one_token(
+                        x, residual, positions, self.rotary, kv, meta, self.one_token_gemv,
+                        mlp_kernels[i] if mlp_kernels else None)
                 else:
                     x, residual = layer.forward_fused(x, residual, positions, self.rotary, kv, meta)
+            if residual is not None:
+                x = x.to(residual.dtype)  # the fused MLP's fp32 accumulator
             if not self.is_last:
                 return x if residual is None else x + residual
             # The stream's last add fused with the final norm: one kernel.

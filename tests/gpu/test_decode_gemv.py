@@ -341,14 +341,17 @@ def _small_config(kind):
     return transformers.LlamaConfig(**common, attention_bias=True, mlp_bias=True)
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["reduce-kernel", "merge-in-o_proj"])
+@pytest.mark.parametrize("merge,fused_mlp", [(False, False), (True, False), (False, True)],
+                         ids=["reduce-kernel", "merge-in-o_proj", "one-kernel-mlp"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama-bias"])
-def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge):
+def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_mlp):
     """The one-token forward as the decode graph runs it: captured in a CUDA graph (on CUDA),
     every kernel launched with PDL where the GPU has it, the rope epilogue on, a context long
     enough that the decode attention splits (and its reduce kernel runs). Each replay gets
     fresh inputs and caches, and must equal the batched fused path run eagerly on the same
-    inputs: hidden state and both caches."""
+    inputs: hidden state and both caches. one-kernel-mlp: each MLP is decode_mlp's kernel,
+    whose accumulators each forward zeroes for the next one (replays 2 and 3 fail if not)."""
+    from backend_lib.layers import decode_mlp
     from backend_lib.layers.attention import AttentionMetadata
     from backend_lib.layers.rotary import RotaryEmbedding
     from backend_lib.layers.triton_attention import decode_num_splits
@@ -390,8 +393,18 @@ def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge):
             kc.copy_(torch.randn(shape, generator=gen, device=DEVICE).to(dtype))
             vc.copy_(torch.randn(shape, generator=gen, device=DEVICE).to(dtype))
 
+    mlp_table = None
+    if fused_mlp:
+        mlp_table = decode_mlp.DecodeMlp(pdl=dg.pdl_supported(torch.device(DEVICE)),
+                                         accumulators=decode_mlp.MlpAccumulators.create(
+                                             len(model.layers), s.hidden_size, DEVICE))
+        if not cuda:
+            mlp_table.configs = {decode_mlp._key(model.layers[0].mlp.gate_up_proj.weight,
+                                                 model.layers[0].mlp.gate_up_proj.bias):
+                                 decode_mlp.MlpConfig(16, 64, 64, 4)}
+
     def reference():
-        model.one_token_gemv = None
+        model.one_token_gemv = model.one_token_mlp = None
         ref_caches = [(k.clone(), v.clone()) for k, v in caches]
         out = model(ids, pos, ref_caches, meta)
         return out, ref_caches
@@ -400,16 +413,16 @@ def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge):
     runs = []
     if cuda:
         fresh_inputs()
-        model.one_token_gemv = gemv
+        model.one_token_gemv, model.one_token_mlp = gemv, mlp_table
         model(ids, pos, caches, meta)  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = model(ids, pos, caches, meta)
-    for _ in range(3 if cuda else 1):
+    for _ in range(3 if cuda else 1 + fused_mlp):
         fresh_inputs()
         ref, ref_caches = reference()
-        model.one_token_gemv = gemv
+        model.one_token_gemv, model.one_token_mlp = gemv, mlp_table
         if cuda:
             graph.replay()
             torch.cuda.synchronize()
