@@ -105,14 +105,18 @@ def decode_prep() -> str:
 # while its last split merged the group's heads one after another; the merge of all heads at
 # once that replaced it is not measured yet. oproj: one-token forwards (batch 1) leave the
 # merge to o_proj's gemv prologue (layers/decode_gemv.py MERGE_SPLITS): no atomics, one kernel
-# less per layer; not measured yet either. Batched decode keeps the reduce kernel.
+# less per layer; not measured yet either. splitk: one-token forwards merge and project in one
+# kernel split over the heads, with fp32 atomics (layers/decode_oproj.py), where start-up
+# timing beats the reduce kernel + gemv; splitk-force: everywhere, untimed (tests). Batched
+# decode keeps the reduce kernel.
 DECODE_ATTN_REDUCE_ENV = "BACKEND_LIB_DECODE_ATTN_REDUCE"
+DECODE_ATTN_REDUCE_MODES = ("kernel", "fused", "oproj", "splitk", "splitk-force")
 
 
 def decode_attn_reduce() -> str:
     v = os.environ.get(DECODE_ATTN_REDUCE_ENV, "kernel").strip().lower() or "kernel"
-    if v not in ("kernel", "fused", "oproj"):
-        raise ValueError(f"{DECODE_ATTN_REDUCE_ENV}={v!r}: must be kernel, fused or oproj")
+    if v not in DECODE_ATTN_REDUCE_MODES:
+        raise ValueError(f"{DECODE_ATTN_REDUCE_ENV}={v!r}: must be one of {', '.join(DECODE_ATTN_REDUCE_MODES)}")
     return v
 
 

@@ -29,7 +29,7 @@ from .graph_buckets import mixed_buckets, parse_token_buckets
 from .mixed_graphs import MixedGraphs, MixedMeta
 from .mixed_pack import MixedRows, pack_rows
 from .layers.attention import AttentionMetadata
-from .layers import decode_gemv, decode_mlp, skinny_gemm
+from .layers import decode_gemv, decode_mlp, decode_oproj, skinny_gemm
 from .layers.decode_prep import decode_inputs
 from .layers.logprobs import MAX_LOGPROBS, pack_tokens_and_logprobs, packed_width
 from .layers.penalties import PenaltyState
@@ -131,6 +131,7 @@ class ModelRunner:
         self.one_token_gemv = decode_gemv.install(self.model, envs.decode_gemv()) \
             if self.device.type == "cuda" and self.model.use_fused_ops else None
         self.one_token_mlp = decode_mlp.install(self.model, self.one_token_gemv, envs.decode_mlp())
+        self.one_token_oproj = decode_oproj.install(self.model, self.one_token_gemv, envs.decode_attn_reduce())
         self.decode_graphs: Optional[DecodeGraphs] = None
         self.mixed_graphs: Optional[MixedGraphs] = None
         if self.device.type == "cuda" and cfg.enable_cuda_graph and not self.is_pipeline_stage:

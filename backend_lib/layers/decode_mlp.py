@@ -22,7 +22,8 @@ What differs from the two-kernel path:
     layer 0's zeroes the last layer's (read by the final norm of the previous step). Each
     accumulator is thus zeroed once a forward, after its reader and before its writer.
     That holds for a whole forward over all the model's layers, one after another, as the
-    decode step runs them; `MlpAccumulators` owns the buffers and the ring.
+    decode step runs them; `AccumulatorRing` owns the buffers and the ring (decode_oproj
+    keeps a second one).
 
 Rounding follows the unfused ops (HF's order): gate and up round to the dtype, silu(gate)
 rounds, the product rounds, as decode_gemv's SILU_MUL prologue does.
@@ -133,10 +134,12 @@ if HAS_TRITON:
 
 
 def supported(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """x: one contiguous row, in the weights' dtype or fp32 (decode_oproj's accumulator,
+    rounded to the weights' dtype as it is added to the residual stream)."""
     return (HAS_TRITON and (x.is_cuda or _INTERPRET) and x.dim() == 2 and x.shape[0] == 1
             and x.is_contiguous() and w_gate_up.dim() == 2 and w_down.dim() == 2
             and w_gate_up.stride(1) == 1 and w_down.stride(1) == 1
-            and x.dtype == w_gate_up.dtype == w_down.dtype)
+            and w_gate_up.dtype == w_down.dtype and x.dtype in (w_gate_up.dtype, torch.float32))
 
 
 def mlp(x: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, w_gate_up: torch.Tensor,
@@ -147,7 +150,7 @@ def mlp(x: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, w_gate
     """(down(silu(gate) * up) of rms_norm(x + residual) * ln_weight, x + residual).
     x, residual [1, H]; w_gate_up [2I, H] (gate rows, then up rows); w_down [H, I].
     acc: fp32 [1, H], zero before the call (it is returned, holding the output); zero: an
-    fp32 [1, H] buffer this call sets to 0 (MlpAccumulators: the ring's previous one)."""
+    fp32 [1, H] buffer this call sets to 0 (AccumulatorRing: the ring's previous one)."""
     if not supported(x, w_gate_up, w_down):
         raise ValueError(f"decode_mlp: x {tuple(x.shape)} {x.dtype}, w_gate_up {tuple(w_gate_up.shape)} "
                          f"{w_gate_up.dtype}, w_down {tuple(w_down.shape)} {w_down.dtype} not supported "
@@ -160,8 +163,9 @@ def mlp(x: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, w_gate
                          f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
     for name, t in (("residual", residual), ("ln_weight", ln_weight), ("b_gate_up", b_gate_up),
                     ("b_down", b_down)):
-        if t is not None and t.dtype != x.dtype:
-            raise ValueError(f"decode_mlp: {name} is {t.dtype}, x is {x.dtype} (one dtype)")
+        if t is not None and t.dtype != w_gate_up.dtype:
+            raise ValueError(f"decode_mlp: {name} is {t.dtype}, the weights are {w_gate_up.dtype} "
+                             "(one dtype)")
     if residual.shape != x.shape or not residual.is_contiguous():
         raise ValueError("decode_mlp: residual must be contiguous and shaped like x")
     if (b_gate_up is None) != (b_down is None):
@@ -171,7 +175,7 @@ def mlp(x: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, w_gate
             raise ValueError(f"decode_mlp: {name} must be a contiguous fp32 buffer of {h} values")
     if acc.data_ptr() == zero.data_ptr():
         raise ValueError("decode_mlp: acc and zero must be different buffers")
-    new_res = torch.empty_like(x) if residual_out is None else residual_out
+    new_res = torch.empty_like(residual) if residual_out is None else residual_out
     _mlp_kernel[(triton.cdiv(inter, cfg.block_i),)](
         x, residual, ln_weight, w_gate_up, b_gate_up if b_gate_up is not None else w_gate_up,
         w_down, b_down if b_down is not None else w_down, acc, zero, new_res, h, inter, eps,
@@ -191,14 +195,14 @@ def mlp_ref(x, residual, ln_weight, w_gate_up, w_down, b_gate_up=None, b_down=No
 
 
 @dataclass
-class MlpAccumulators:
-    """One fp32 [1, H] accumulator per layer of a forward, and which one each layer's MLP
-    zeroes (the previous layer's; layer 0: the last layer's). Needs two layers or more: with
-    one, a layer would zero its own output."""
+class AccumulatorRing:
+    """One fp32 [1, H] accumulator per layer of a forward for a split-K kernel's output, and
+    which one each layer's kernel zeroes (the previous layer's; layer 0: the last layer's).
+    Needs two layers or more: with one, a layer would zero its own output."""
     buffers: torch.Tensor    # [num_layers, 1, H] fp32
 
     @classmethod
-    def create(cls, num_layers: int, hidden: int, device) -> "MlpAccumulators":
+    def create(cls, num_layers: int, hidden: int, device) -> "AccumulatorRing":
         if num_layers < 2:
             raise ValueError(f"decode_mlp: the accumulator ring needs 2 layers or more (got {num_layers})")
         return cls(torch.zeros(num_layers, 1, hidden, dtype=torch.float32, device=device))
@@ -213,7 +217,7 @@ class DecodeMlp:
     """The fused MLP's configuration per (H, I, bias), measured at start-up against the two
     decode_gemv kernels it replaces (None: those were faster, and run)."""
     pdl: bool = False
-    accumulators: Optional[MlpAccumulators] = None
+    accumulators: Optional[AccumulatorRing] = None
     configs: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
 
@@ -253,7 +257,7 @@ class DecodeMlp:
         copies = [((gu.weight, down.weight), None)]
         copies += [((gu.weight.clone(), down.weight.clone()), None) for _ in range(n - 1)]
         bias = (gu.bias, down.bias)
-        ring = MlpAccumulators.create(2, h, dev)
+        ring = AccumulatorRing.create(2, h, dev)
 
         def pair(xx, ws, _b):
             g, _ = gemv_table.run(xx, _Proj(ws[0], bias[0]), decode_gemv.ADD_RMSNORM, res, ln)
@@ -312,7 +316,7 @@ def install(model, gemv_table, mode: str) -> Optional[DecodeMlp]:
         return None
     device = next(model.parameters()).device
     table = DecodeMlp(pdl=gemv_table.pdl and pdl_supported(device),
-                      accumulators=MlpAccumulators.create(len(model.layers), model.shape.hidden_size, device))
+                      accumulators=AccumulatorRing.create(len(model.layers), model.shape.hidden_size, device))
     if mode == "on":
         table.tune(model.layers[0].mlp, gemv_table)
     model.one_token_mlp = table

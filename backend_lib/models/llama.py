@@ -22,6 +22,7 @@ from torch import nn
 
 from ..layers import decode_gemv, fused_ops
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
+from ..layers.triton_attention import DecodePartials
 from ..layers.rotary import RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -178,11 +179,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, fused=True), residual
 
     def forward_one_token(self, h, residual, positions, rotary, kv_cache, meta, gemv,
-                          mlp_kernel=None):
+                          mlp_kernel=None, oproj_kernel=None):
         """forward_fused for a single token: each projection is one kernel that also runs the
         op feeding it (add + norm, silu * mul), launched with PDL (layers/decode_gemv.py).
         mlp_kernel (layers/decode_mlp.LayerMlp): the whole MLP as one kernel, whose output h is an fp32
-        accumulator that the next projection's add + norm rounds."""
+        accumulator that the next projection's add + norm rounds. oproj_kernel
+        (layers/decode_oproj.LayerOproj): attention's splits merged and projected in one
+        kernel, its output likewise an fp32 accumulator."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp, s = self.self_attn, self.mlp, self.self_attn.s
         # Qwen3's per-head q/k norm needs whole heads: its rope stays a kernel of its own.
@@ -197,8 +200,11 @@ class DecoderLayer(nn.Module):
             qkv, residual = gemv.run(h, attn.qkv_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln1.weight, ln1.eps, rope)
         o = attn.attend(qkv, positions, rotary, kv_cache, meta, fused=True, pdl=gemv.pdl,
-                        rotated=rope is not None, partials=gemv.merge_attention)
-        h = gemv.project_attention(o, attn.o_proj)
+                        rotated=rope is not None, partials=gemv.merge_attention or oproj_kernel is not None)
+        if oproj_kernel is not None and isinstance(o, DecodePartials):
+            h = oproj_kernel(o, attn.o_proj)
+        else:
+            h = gemv.project_attention(o, attn.o_proj)
         if mlp_kernel is not None:
             return mlp_kernel(h, residual, ln2, mlp)
         gate_up, residual = gemv.run(h, mlp.gate_up_proj, decode_gemv.ADD_RMSNORM, residual,
@@ -213,6 +219,7 @@ class DecoderModel(nn.Module):
     use_fused_ops = True  # set False (class or instance) to run the torch path on CUDA too
     one_token_gemv = None  # layers/decode_gemv.DecodeGemv: one-token forwards go through it
     one_token_mlp = None  # layers/decode_mlp.DecodeMlp: their MLPs as one kernel each
+    one_token_oproj = None  # layers/decode_oproj.DecodeOproj: attention merge + o_proj as one
 
     def __init__(self, hf_config, layer_start: int = 0, layer_end: Optional[int] = None):
         super().__init__()
@@ -235,12 +242,17 @@ class DecoderModel(nn.Module):
         if self._fused(x):
             residual = None
             one_token = self.one_token_gemv is not None and x.shape[0] == 1
-            mlp_kernels = self.one_token_mlp.for_layers(x, self.layers) if one_token and self.one_token_mlp else None
+            mlp_kernels = oproj_kernels = None
+            if one_token and self.one_token_mlp is not None:
+                mlp_kernels = self.one_token_mlp.for_layers(x, self.layers)
+            if one_token and self.one_token_oproj is not None:
+                oproj_kernels = self.one_token_oproj.for_layers(self.layers, x.dtype)
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 if one_token:
                     x, residual = layer.forward_one_token(
                         x, residual, positions, self.rotary, kv, meta, self.one_token_gemv,
-                        mlp_kernels[i] if mlp_kernels else None)
+                        mlp_kernels[i] if mlp_kernels else None,
+                        oproj_kernels[i] if oproj_kernels else None)
                 else:
                     x, residual = layer.forward_fused(x, residual, positions, self.rotary, kv, meta)
             if residual is not None:

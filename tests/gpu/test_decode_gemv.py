@@ -341,17 +341,22 @@ def _small_config(kind):
     return transformers.LlamaConfig(**common, attention_bias=True, mlp_bias=True)
 
 
-@pytest.mark.parametrize("merge,fused_mlp", [(False, False), (True, False), (False, True)],
-                         ids=["reduce-kernel", "merge-in-o_proj", "one-kernel-mlp"])
+@pytest.mark.parametrize("merge,fused_mlp,splitk_oproj", [(False, False, False), (True, False, False),
+                                                         (False, True, False), (False, False, True),
+                                                         (False, True, True)],
+                         ids=["reduce-kernel", "merge-in-o_proj", "one-kernel-mlp", "split-k-o_proj",
+                              "split-k-o_proj-and-mlp"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama-bias"])
-def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_mlp):
+def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_mlp, splitk_oproj):
     """The one-token forward as the decode graph runs it: captured in a CUDA graph (on CUDA),
     every kernel launched with PDL where the GPU has it, the rope epilogue on, a context long
     enough that the decode attention splits (and its reduce kernel runs). Each replay gets
     fresh inputs and caches, and must equal the batched fused path run eagerly on the same
     inputs: hidden state and both caches. one-kernel-mlp: each MLP is decode_mlp's kernel,
-    whose accumulators each forward zeroes for the next one (replays 2 and 3 fail if not)."""
-    from backend_lib.layers import decode_mlp
+    whose accumulators each forward zeroes for the next one (replays 2 and 3 fail if not);
+    split-k-o_proj: attention's splits merged and projected by decode_oproj's kernel (its own
+    accumulator ring), alone and feeding the one-kernel MLP."""
+    from backend_lib.layers import decode_mlp, decode_oproj
     from backend_lib.layers.attention import AttentionMetadata
     from backend_lib.layers.rotary import RotaryEmbedding
     from backend_lib.layers.triton_attention import decode_num_splits
@@ -396,15 +401,22 @@ def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_ml
     mlp_table = None
     if fused_mlp:
         mlp_table = decode_mlp.DecodeMlp(pdl=dg.pdl_supported(torch.device(DEVICE)),
-                                         accumulators=decode_mlp.MlpAccumulators.create(
+                                         accumulators=decode_mlp.AccumulatorRing.create(
                                              len(model.layers), s.hidden_size, DEVICE))
         if not cuda:
             mlp_table.configs = {decode_mlp._key(model.layers[0].mlp.gate_up_proj.weight,
                                                  model.layers[0].mlp.gate_up_proj.bias):
                                  decode_mlp.MlpConfig(16, 64, 64, 4)}
 
+    oproj_table = None
+    if splitk_oproj:
+        oproj_table = decode_oproj.DecodeOproj(
+            pdl=dg.pdl_supported(torch.device(DEVICE)),
+            ring=decode_mlp.AccumulatorRing.create(len(model.layers), s.hidden_size, DEVICE),
+            cfg=decode_oproj.DEFAULT_CONFIG if cuda else decode_oproj.OprojConfig(1, 32, 4))
+
     def reference():
-        model.one_token_gemv = model.one_token_mlp = None
+        model.one_token_gemv = model.one_token_mlp = model.one_token_oproj = None
         ref_caches = [(k.clone(), v.clone()) for k, v in caches]
         out = model(ids, pos, ref_caches, meta)
         return out, ref_caches
@@ -413,16 +425,16 @@ def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_ml
     runs = []
     if cuda:
         fresh_inputs()
-        model.one_token_gemv, model.one_token_mlp = gemv, mlp_table
+        model.one_token_gemv, model.one_token_mlp, model.one_token_oproj = gemv, mlp_table, oproj_table
         model(ids, pos, caches, meta)  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = model(ids, pos, caches, meta)
-    for _ in range(3 if cuda else 1 + fused_mlp):
+    for _ in range(3 if cuda else 1 + (fused_mlp or splitk_oproj)):
         fresh_inputs()
         ref, ref_caches = reference()
-        model.one_token_gemv, model.one_token_mlp = gemv, mlp_table
+        model.one_token_gemv, model.one_token_mlp, model.one_token_oproj = gemv, mlp_table, oproj_table
         if cuda:
             graph.replay()
             torch.cuda.synchronize()

@@ -65,7 +65,7 @@ def test_matches_the_unfused_ops(h, inter, bias, dtype, which):
     x, res, ln, w_gu, w_d, b_gu, b_d = _case(h, inter, bias, dtype)
     ref, ref_res = dm.mlp_ref(x, res, ln, w_gu, w_d, b_gu, b_d)
     for cfg in _configs(dm, which):
-        ring = dm.MlpAccumulators.create(2, h, DEVICE)
+        ring = dm.AccumulatorRing.create(2, h, DEVICE)
         acc, zero = ring.for_layer(1)
         zero.fill_(POISON)
         res_out = torch.full_like(x, POISON)
@@ -86,7 +86,7 @@ def test_accumulates_onto_what_the_buffer_holds():
     seed = seed_from_env("DECODE_MLP_TEST_SEED")
     h, inter, _ = SHAPES[0]
     x, res, ln, w_gu, w_d, _, _ = _case(h, inter, False, DTYPES[0])
-    ring = dm.MlpAccumulators.create(2, h, DEVICE)
+    ring = dm.AccumulatorRing.create(2, h, DEVICE)
     acc, zero = ring.for_layer(0)
     cfg = _configs(dm, None)[0]
     once = dm.mlp(x, res, ln, w_gu, w_d, acc=acc, zero=zero, cfg=cfg)[0].clone()
@@ -96,13 +96,13 @@ def test_accumulates_onto_what_the_buffer_holds():
 
 def test_ring_zeroes_the_previous_layer_and_layer_0_the_last():
     dm = _dm()
-    ring = dm.MlpAccumulators.create(3, 8, DEVICE)
+    ring = dm.AccumulatorRing.create(3, 8, DEVICE)
     for i, zeroed in [(0, 2), (1, 0), (2, 1)]:
         acc, zero = ring.for_layer(i)
         assert acc.data_ptr() == ring.buffers[i].data_ptr()
         assert zero.data_ptr() == ring.buffers[zeroed].data_ptr()
     with pytest.raises(ValueError, match="needs 2 layers or more"):
-        dm.MlpAccumulators.create(1, 8, DEVICE)
+        dm.AccumulatorRing.create(1, 8, DEVICE)
 
 
 def test_next_projection_rounds_the_fp32_accumulator_like_a_bf16_store():
@@ -135,7 +135,7 @@ def test_rejects_bad_inputs_with_the_field_named():
     dtype = DTYPES[0]
     h, inter = 40, 56
     x, res, ln, w_gu, w_d, b_gu, b_d = _case(h, inter, True, dtype)
-    ring = dm.MlpAccumulators.create(2, h, DEVICE)
+    ring = dm.AccumulatorRing.create(2, h, DEVICE)
     acc, zero = ring.for_layer(0)
     with pytest.raises(ValueError, match=r"w_down \[H=40, I\]"):
         dm.mlp(x, res, ln, w_gu, w_d[:, :-1].contiguous(), acc=acc, zero=zero)
@@ -166,3 +166,77 @@ def test_tune_picks_the_fastest_of_the_candidates_and_the_two_kernels():
     key = (896, 4864, False)
     assert set(table.timings[key]) == {None, *dm.CANDIDATES}
     assert table.timings[key][table.configs[key]] == min(table.timings[key].values())
+
+
+# ---- decode_oproj: attention's splits merged and projected, split over the heads -------------
+OPROJ_HEADS = [(4, 2, 32), (3, 1, 16)] if _ON_CPU else [(14, 2, 64), (32, 8, 128), (8, 8, 64), (7, 1, 64)]
+
+
+def _oproj_case(hq, hkv, d, seq_len, dtype, bias, n=40, page=16):
+    blocks = max(1, -(-seq_len // page))
+    nb = blocks + 3
+    bt = torch.randperm(nb, device=DEVICE).to(torch.int32)[:blocks + 2][None].contiguous()
+    k = torch.randn(nb, page, hkv, d, device=DEVICE).to(dtype)
+    v = torch.randn(nb, page, hkv, d, device=DEVICE).to(dtype)
+    q = torch.randn(1, hq, d, device=DEVICE).to(dtype)
+    sl = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
+    w = (torch.randn(n, hq * d, device=DEVICE) * 0.05).to(dtype)
+    b = (torch.randn(n, device=DEVICE) * 0.1).to(dtype) if bias else None
+    return q, k, v, bt, sl, w, b
+
+
+def _oproj_configs():
+    from backend_lib.layers import decode_oproj as do
+    return [do.OprojConfig(1, 16, 4), do.OprojConfig(2, 32, 4)] if _ON_CPU else list(do.CANDIDATES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hq,hkv,d", OPROJ_HEADS)
+def test_merge_oproj_equals_the_reduce_kernel_then_the_projection(hq, hkv, d, dtype):
+    """Padding row (seq_len 0: bias only), one token, one tile, several, more splits than the
+    merge takes at once; every configuration (heads per program 1 and 2, an odd head count);
+    against the reduce kernel then the projection, rounded where the unfused path rounds, and
+    the other accumulator zeroed."""
+    from backend_lib.layers import decode_gemv as dg
+    from backend_lib.layers import decode_oproj as do
+    from backend_lib.layers import triton_attention as ta
+    dm = _dm()
+    seed = seed_from_env("DECODE_MLP_TEST_SEED")
+    block_n = 32 if dtype == torch.float32 else 64
+    for seq_len, bias in ((0, True), (1, False), (block_n, True), (5 * block_n + 3, False), (20 * block_n + 7, True)):
+        q, k, v, bt, sl, w, b = _oproj_case(hq, hkv, d, seq_len, dtype, bias)
+        for splits in (1, 3, 13):
+            parts = ta.paged_decode_partials(q, k, v, bt, sl, d ** -0.5, num_splits=splits)
+            two = ta.merge_decode_partials(parts).reshape(1, -1)
+            ref = torch.nn.functional.linear(two, w, b)
+            for cfg in _oproj_configs():
+                ring = dm.AccumulatorRing.create(2, w.shape[0], DEVICE)
+                acc, zero = ring.for_layer(1)
+                zero.fill_(POISON)
+                got = do.merge_oproj(parts, w, b, acc=acc, zero=zero, cfg=cfg, pdl=dg.pdl_supported(q.device))
+                where = (seed, seq_len, splits, cfg)
+                assert got.dtype == torch.float32 and got.data_ptr() == acc.data_ptr(), where
+                assert torch.allclose(got.to(dtype).float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype]), where
+                assert torch.count_nonzero(zero).item() == 0, where
+                if seq_len == 0:
+                    want = b.float() if b is not None else torch.zeros(w.shape[0], device=DEVICE)
+                    assert torch.allclose(got.reshape(-1), want, atol=1e-6), where
+
+
+def test_merge_oproj_rejects_what_it_cannot_merge():
+    from backend_lib.layers import decode_oproj as do
+    from backend_lib.layers import triton_attention as ta
+    dm = _dm()
+    hq, hkv, d = OPROJ_HEADS[0]
+    q, k, v, bt, sl, w, b = _oproj_case(hq, hkv, d, 40, DTYPES[0], True)
+    parts = ta.paged_decode_partials(q, k, v, bt, sl, d ** -0.5, num_splits=2)
+    ring = dm.AccumulatorRing.create(2, w.shape[0], DEVICE)
+    acc, zero = ring.for_layer(0)
+    with pytest.raises(ValueError, match=r"into w \(40, 16\)"):
+        do.merge_oproj(parts, w[:, :16].contiguous(), b, acc=acc, zero=zero)
+    with pytest.raises(ValueError, match="bias must be 40 values"):
+        do.merge_oproj(parts, w, b[:5], acc=acc, zero=zero)
+    with pytest.raises(ValueError, match="acc must be a contiguous fp32 buffer of 40"):
+        do.merge_oproj(parts, w, b, acc=acc[:, :20], zero=zero)
+    with pytest.raises(ValueError, match="different buffers"):
+        do.merge_oproj(parts, w, b, acc=acc, zero=acc)
