@@ -90,7 +90,7 @@ def test_the_switch_picks_the_path(monkeypatch):
     ta.paged_decode_attention(q, k, v, bt, sl, 0.2, num_splits=3)
     assert k.data_ptr() not in ta._COUNTERS
     monkeypatch.setenv(envs.DECODE_ATTN_REDUCE_ENV, "sideways")
-    with pytest.raises(ValueError, match="BACKEND_LIB_DECODE_ATTN_REDUCE='sideways': must be kernel, fused or oproj"):
+    with pytest.raises(ValueError, match="BACKEND_LIB_DECODE_ATTN_REDUCE=.sideways.: must be one of kernel, fused, oproj, splitk, splitk-force"):
         ta.paged_decode_attention(q, k, v, bt, sl, 0.2, num_splits=3)
 
 
