@@ -196,6 +196,8 @@ def row_from(path: str, workload_name: str, sampling: str, conc: int, recs: list
            "tpot_ms_p50": _pct(tpot, 0.5), "tpot_ms_p99": _pct(tpot, 0.99),
            "tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
            "responses_per_req": statistics.fmean(r.responses for r in recs) if recs else 0.0,
+           # Little's law: the streams actually open on average, against the concurrency asked for
+           "mean_in_flight": sum(r.t_last - r.t_send for r in good) / wall if wall > 0 else 0.0,
            "gpu_busy": gpu_busy}
     row.update(extra)
     bad = [r for r in recs if not r.ok][:3]
@@ -209,7 +211,7 @@ def _progress(row: dict) -> None:
     log(f"  {row['path']:28s} {row['workload']:5s} {row['sampling']:6s} c={row['concurrency']:<4d} "
         f"n={row['requests']:<4d} err={row['errors']} tok/s={row['tok_s']:.0f} "
         f"TTFT p50={f(row['ttft_ms_p50'], '.1f')} TPOT p50={f(row['tpot_ms_p50'], '.3f')} "
-        f"p99={f(row['tpot_ms_p99'], '.3f')} ms busy={f(row['gpu_busy'], '.2f')}")
+        f"p99={f(row['tpot_ms_p99'], '.3f')} ms in-flight={f(row.get('mean_in_flight'), '.1f')} busy={f(row['gpu_busy'], '.2f')}")
 
 
 class GpuBusy:
@@ -247,8 +249,8 @@ class GpuBusy:
 
 def closed_loop(eng, reqs: list[Req], sampling: str, conc: int, total: int, tag: str,
                 timeout_s: float = 900.0, keep_times: bool = False) -> list[Record]:
-    """A fixed number of requests in flight (a finished one is replaced at once, as
-    perf_analyzer's --concurrency-range does); requests taken from `reqs` in order."""
+    """A fixed number of requests in flight, a finished one replaced at once; requests taken
+    from `reqs` in order (what perf_point asks of perf_analyzer with --max-threads 1)."""
     lock, done = threading.Lock(), threading.Event()
     recs: dict[str, Record] = {}
     finished: list[Record] = []
@@ -612,8 +614,11 @@ def run_triton(args, params, vocab, busy: GpuBusy, work: Path, report: "Report")
                     data = work / f"input-{wl}-{sampling}.json"
                     data.write_text(json.dumps(perf_analyzer_input(reqs, sampling)))
                     for c in args.concurrency:
-                        if not report.over_budget(f"{label} {wl} {sampling} c={c}"):
-                            mine.append(report.add(perf_point(args, srv, label, wl, sampling, c, data, busy, work)))
+                        for threads in args.pa_threads:
+                            point = label + (f" pa-threads {threads or 'default'}" if len(args.pa_threads) > 1 else "")
+                            if not report.over_budget(f"{point} {wl} {sampling} c={c}"):
+                                mine.append(report.add(perf_point(args, srv, point, wl, sampling, c, data, busy,
+                                                                  work, threads)))
             if genai:
                 for sampling, c in args.genai_points:
                     if not report.over_budget(f"genai-perf {sampling} c={c}"):
@@ -655,7 +660,8 @@ POINT_COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure"
                   *(f'llm_step_phase_seconds_total{{phase="{p}"}}' for p in HOST_PHASES))
 
 
-def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy: GpuBusy, work: Path) -> dict:
+def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy: GpuBusy, work: Path,
+               threads: int = 1) -> dict:
     n = max(args.min_requests, c * args.rounds)
     warm = max(c, args.warmup)
     prof = work / f"profile-{label.replace(' ', '_')}-{wl}-{sampling}-{c}.json"
@@ -664,6 +670,12 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
            "--input-data", str(data), "--concurrency-range", str(c), "--request-count", str(n),
            "--warmup-request-count", str(warm), "--measurement-interval", "600000",
            "--profile-export-file", str(prof)]
+    # threads=1: one thread holds all c streams and walks the data entries in order, as
+    # closed_loop does. perf_analyzer's own default (threads=0) is 16 threads sharing the c
+    # streams, each with a fixed 1/16 of the requests over a fixed stride of entries: on mixed
+    # lengths their work differs ~3x, and a thread that is done leaves its streams idle.
+    if threads:
+        cmd += ["--max-threads", str(threads)]
     before = srv.metric_sums(POINT_COUNTERS)
     cpu0 = proc_cpu.thread_cpu(srv.proc.pid)
     t0 = time.perf_counter()
@@ -800,12 +812,12 @@ def markdown(rows: list[dict], header: str) -> str:
     inproc = {(r["workload"], r["sampling"], r["concurrency"]): r for r in rows if r["path"] == INPROC_LABEL}
     order = {"steady decode (same engine)": 0, INPROC_LABEL: 1, ENGINE_PROCESS_LABEL: 2}
     lines = [header, "",
-             "| workload | sampling | concurrency | path | requests | errors | output tok/s | x steady tok/s | "
+             "| workload | sampling | concurrency | path | streams in flight | requests | errors | output tok/s | x steady tok/s | "
              "TTFT ms p50 | p99 | TPOT ms p50 | p99 | TPOT p50 x in-process | TPOT p50 x steady step | "
              "GPU busy | responses/request | stub send µs/response | stub sends/s | engine steps/s | "
              "GPU idle µs/step | engine host µs/step | tokens/step | prefill steps share | Triton queue µs/request | "
              "execute µs/request |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     loop_rows = [r for r in rows if r["workload"] != "burst"]
     wl_order = {"fixed": 0, "mixed": 1}
     for r in sorted(loop_rows, key=lambda r: (wl_order.get(r["workload"], 9), r["sampling"], r["concurrency"],
@@ -816,7 +828,8 @@ def markdown(rows: list[dict], header: str) -> str:
         x_ip = (r["tpot_ms_p50"] / ip["tpot_ms_p50"]) if ip and ip["tpot_ms_p50"] and r["tpot_ms_p50"] else None
         x_st = (r["tpot_ms_p50"] / st["tpot_ms_p50"]) if st and st["tpot_ms_p50"] and r["tpot_ms_p50"] else None
         x_tok = (r["tok_s"] / st["tok_s"]) if st and st["tok_s"] else None
-        lines.append(f"| {r['workload']} | {r['sampling']} | {r['concurrency']} | {r['path']} | {r['requests']} | "
+        lines.append(f"| {r['workload']} | {r['sampling']} | {r['concurrency']} | {r['path']} | "
+                     f"{_f(r.get('mean_in_flight'), '.1f')} | {r['requests']} | "
                      f"{r['errors']} | {r['tok_s']:.0f} | {_f(x_tok, '.2f')} | {_f(r['ttft_ms_p50'], '.1f')} | "
                      f"{_f(r['ttft_ms_p99'], '.1f')} | {_f(r['tpot_ms_p50'], '.3f')} | {_f(r['tpot_ms_p99'], '.3f')} | "
                      f"{_f(x_ip, '.2f')} | {_f(x_st, '.2f')} | {_f(r['gpu_busy'], '.2f')} | "
@@ -915,6 +928,9 @@ def parse_args(argv=None):
                                                                "(default 4; smoke 2)")
     ap.add_argument("--min-requests", type=int, default=None, help="at least this many (default 16; smoke 4)")
     ap.add_argument("--warmup", type=int, default=4, help="warm-up requests per point (at least c)")
+    ap.add_argument("--pa-threads", type=_int_list, default=[1],
+                    help="perf_analyzer --max-threads per point, comma list, each a row (0: its own "
+                         "default, 16 threads; default 1, the in-process loop's order)")
     ap.add_argument("--perf-analyzer", default=os.environ.get("PA") or str(REPO_ROOT / "build" / "bin" / "perf_analyzer"))
     ap.add_argument("--genai-perf", default=str(REPO_ROOT / "build" / "genai-venv" / "bin" / "genai-perf"),
                     help="genai-perf (scripts/install_genai_perf.sh); its rows run where it is installed and "

@@ -77,6 +77,8 @@ def test_every_row_with_all_its_requests_and_no_errors(report):
         if not r["path"].startswith("steady"):
             assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p99"] >= r["tpot_ms_p50"], (key, r)
         if r["path"] in ("Triton", "in-process AsyncEngine"):
+            # Little's law over the point: never more streams open than asked for
+            assert 0 < r["mean_in_flight"] <= r["concurrency"] * 1.001, (key, r)
             # every request's prompt rides in some step: a share of the steps, not all of them
             # (outputs of OUTPUT tokens take decode steps of their own)
             assert 0 < r["prefill_step_share"] < 1 and r["host_us_per_step"] > 0, (key, r)
@@ -105,7 +107,9 @@ def test_markdown_table_has_a_line_per_row(report):
         if r["workload"] == "burst":
             assert any(l.startswith(f"| {r['path']} | {r['requests']} | 0 |") for l in lines), r["path"]
         else:
-            prefix = f"| {r['workload']} | {r['sampling']} | {r['concurrency']} | {r['path']} | {r['requests']} | 0 |"
+            inflight = "-" if r.get("mean_in_flight") is None else f"{r['mean_in_flight']:.1f}"
+            prefix = (f"| {r['workload']} | {r['sampling']} | {r['concurrency']} | {r['path']} | {inflight} | "
+                      f"{r['requests']} | 0 |")
             assert sum(l.startswith(prefix) for l in lines) == 1, prefix
 
 
@@ -130,6 +134,29 @@ def test_a_server_that_fails_to_load_is_reported_and_the_run_goes_on(tmp_path):
     assert sorted((r["path"], r["requests"], r["errors"]) for r in data["rows"]) == [
         ("in-process, async handoff off", 3, 0), ("in-process, async handoff on", 3, 0)]
     assert "FAILED: Triton bad:" in (tmp_path / "serve.md").read_text().splitlines()[0]
+
+
+def test_perf_analyzer_threads_one_row_each(tmp_path):
+    """--pa-threads 0,1: a Triton row per perf_analyzer thread setting, each with every request;
+    1 passes --max-threads 1 (one thread holds all the streams and walks the data in order), 0
+    leaves perf_analyzer's own default."""
+    from triton_glue import launch
+    try:
+        launch.find_triton()
+    except launch.TritonNotFound as e:
+        pytest.skip(f"tritonserver not available: {e}")
+    cmd = [sys.executable, "-m", "bench.serve", "--smoke", "--model", str(MODEL_DIR), "--out-dir", str(tmp_path),
+           "--parts", "triton", "--concurrency", "3", "--samplings", "greedy", "--workloads", "mixed",
+           "--mixed-output", "2-6", "--rounds", "2", "--min-requests", "6", "--warmup", "1", "--perf-analyzer",
+           str(PA), "--pa-threads", "0,1"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    assert sorted((r["path"], r["requests"], r["errors"]) for r in rows) == [
+        ("Triton pa-threads 1", 6, 0), ("Triton pa-threads default", 6, 0)]
+    for threads, flag in (("1", True), ("default", False)):
+        (pa_cmd,) = [p.read_text().splitlines()[0] for p in tmp_path.glob(f"pa-Triton_pa-threads_{threads}-*.txt")]
+        assert ("--max-threads 1" in pa_cmd) == flag, pa_cmd
 
 
 def test_profile_tpot_spans_first_to_last_token_response(tmp_path):
