@@ -462,7 +462,7 @@ class DecodeGemv:
         num_kv_heads, head_dim) when the q/k/v projection carries the rope epilogue, else None.
         Each candidate is timed as 50 calls in one graph over weight copies larger than L2
         (each layer's weights are cold); the unfused ops are timed the same way, rope included."""
-        from .skinny_gemm import time_linear_us, weight_copies
+        from .skinny_gemm import time_candidates, weight_copies
         for prologue, w, b, heads in cases:
             key = shape_key(prologue, w, b, heads is not None)
             if key in self.configs:
@@ -473,18 +473,13 @@ class DecodeGemv:
             ln = torch.ones(k, dtype=w.dtype, device=w.device)
             rope = None if heads is None else _stand_in_rope(*heads, w.dtype, w.device)
             copies = weight_copies(w, b)
-            times = {None: time_linear_us(
-                lambda xx, ww, bb: self.unfused(xx, lambda t: F.linear(t, ww, bb), prologue, res, ln,
-                                                rope=rope),
-                x, copies)}
-            for cfg in CANDIDATES:
-                def call(xx, ww, bb, c=cfg):
-                    return gemv(xx, ww, bb, prologue=prologue, residual=res, ln_weight=ln, cfg=c,
-                                pdl=self.pdl, rope=rope, early_release=self.early_release)
-                try:
-                    times[cfg] = time_linear_us(call, x, copies)
-                except Exception as e:  # a configuration the compiler rejects: not a candidate
-                    logger.debug("decode gemv config %s failed on %s: %s", cfg, key, e)
+            def fused(c):
+                return lambda xx, ww, bb: gemv(xx, ww, bb, prologue=prologue, residual=res, ln_weight=ln, cfg=c,
+                                               pdl=self.pdl, rope=rope, early_release=self.early_release)
+
+            times = time_candidates(
+                lambda xx, ww, bb: self.unfused(xx, lambda t: F.linear(t, ww, bb), prologue, res, ln, rope=rope),
+                fused, CANDIDATES, x, copies, f"decode gemv {key}")
             del copies
             self.configs[key] = min(times, key=times.get)
             self.timings[key] = times

@@ -242,7 +242,7 @@ class DecodeMlp:
         """Time each candidate (50 calls in a graph, weights cycled through copies larger than
         L2) against gemv_table's gate_up + down kernels timed the same way."""
         from . import decode_gemv
-        from .skinny_gemm import time_linear_us
+        from .skinny_gemm import time_candidates
         gu, down = mlp_module.gate_up_proj, mlp_module.down_proj
         key = _key(gu.weight, gu.bias)
         if key in self.configs:
@@ -263,15 +263,11 @@ class DecodeMlp:
             g, _ = gemv_table.run(xx, _Proj(ws[0], bias[0]), decode_gemv.ADD_RMSNORM, res, ln)
             return gemv_table.run(g, _Proj(ws[1], bias[1]), decode_gemv.SILU_MUL)[0]
 
-        times = {None: time_linear_us(pair, x, copies)}
-        for cfg in CANDIDATES:
-            def call(xx, ws, _b, c=cfg):
-                return mlp(xx, res, ln, ws[0], ws[1], *bias, acc=ring.buffers[0], zero=ring.buffers[1],
-                           cfg=c, pdl=self.pdl)[0]
-            try:
-                times[cfg] = time_linear_us(call, x, copies)
-            except Exception as e:  # a configuration the compiler rejects: not a candidate
-                logger.debug("decode mlp config %s failed on %s: %s", cfg, key, e)
+        def fused(c):
+            return lambda xx, ws, _b: mlp(xx, res, ln, ws[0], ws[1], *bias, acc=ring.buffers[0],
+                                          zero=ring.buffers[1], cfg=c, pdl=self.pdl)[0]
+
+        times = time_candidates(pair, fused, CANDIDATES, x, copies, f"decode mlp {key}")
         del copies
         self.configs[key] = min(times, key=times.get)
         self.timings[key] = times

@@ -131,7 +131,7 @@ class DecodeOproj:
         """Candidates against the reduce kernel + gemv_table's projection, each timed as 50
         calls in one graph, weights cycled through copies larger than L2, on stand-in partial
         states of 16 splits (5 of them ran: a 300-token context)."""
-        from .skinny_gemm import time_linear_us, weight_copies
+        from .skinny_gemm import time_candidates, weight_copies
         from .triton_attention import DecodePartials, merge_decode_partials
         from .decode_mlp import AccumulatorRing, _Proj
         w, b = o_proj.weight, o_proj.bias
@@ -147,11 +147,11 @@ class DecodeOproj:
             o = merge_decode_partials(parts, pdl=self.pdl)
             return gemv_table.run(o.view(1, -1), _Proj(ww, bb))[0]
 
-        times = {None: time_linear_us(unfused, w, copies)}
-        for cfg in CANDIDATES:
-            def call(_x, ww, bb, c=cfg):
-                return merge_oproj(parts, ww, bb, acc=ring.buffers[0], zero=ring.buffers[1], cfg=c, pdl=self.pdl)
-            times[cfg] = time_linear_us(call, w, copies)
+        def fused(c):
+            return lambda _x, ww, bb: merge_oproj(parts, ww, bb, acc=ring.buffers[0], zero=ring.buffers[1],
+                                                  cfg=c, pdl=self.pdl)
+
+        times = time_candidates(unfused, fused, CANDIDATES, w, copies, "decode merge + o_proj")
         del copies
         self.cfg = min(times, key=times.get)
         self.timings = times

@@ -191,6 +191,19 @@ def time_linear_us(fn: Callable, x: torch.Tensor, copies: list, calls: int = 50)
     return sorted(times)[len(times) // 2]
 
 
+def time_candidates(reference: Callable, make_call: Callable, candidates, x: torch.Tensor, copies: list,
+                    what: str) -> dict:
+    """µs per call (time_linear_us) of `reference` under the key None and of make_call(cfg) for
+    each candidate configuration; a configuration the compiler rejects is left out."""
+    times = {None: time_linear_us(reference, x, copies)}
+    for cfg in candidates:
+        try:
+            times[cfg] = time_linear_us(make_call(cfg), x, copies)
+        except Exception as e:  # noqa: BLE001 - any compile/launch failure: not a candidate
+            logger.debug("%s: config %s failed: %s", what, cfg, e)
+    return times
+
+
 class SkinnyGemmTable:
     """Per (M, N, K, has_bias): the configuration that measured faster than cuBLAS, or None
     (cuBLAS). `linear` dispatches by that table; shapes never tuned go to F.linear."""
