@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .config import metric_labels
 from .detokenizer import IncrementalDetokenizer
 from .inputs import InputError, TextRequest
 from .logprob_tensors import Logprobs
@@ -147,8 +148,11 @@ class BlsRoute:
     def __init__(self, pb_utils: Any, tokenizer: Any, *, llm_model: str = "llm",
                  preprocessing_model: Optional[str] = None, max_workers: int = 256,
                  make_response: Callable[[TextRequest, Chunk], Any], hooks: Optional[RouteHooks] = None,
-                 route_name: str = "bls", upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S):
+                 route_name: str = "bls", upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S,
+                 instance_labels: Optional[dict[str, str]] = None):
         self.pb = pb_utils
+        # this instance's own series when there are several (config.metric_labels)
+        self.instance_labels = dict(instance_labels or {})
         self.hooks = hooks or RouteHooks()
         self.route_name = route_name
         self.tok = tokenizer
@@ -171,7 +175,7 @@ class BlsRoute:
         if MF is None:
             return None
         family = MF(name=name, kind=MF.GAUGE, description=description)
-        gauge = family.Metric(labels={"route": self.route_name})
+        gauge = family.Metric(labels={"route": self.route_name, **self.instance_labels})
         gauge.set(value)
         self._families = getattr(self, "_families", []) + [family]  # they outlive their metrics
         return gauge
@@ -198,7 +202,8 @@ class BlsRoute:
             return None
         self._gauge_family = MF(name="bls_upstream_alive", kind=MF.GAUGE,
                                 description="1 while the stub of the model a BLS route calls is alive")
-        gauge = self._gauge_family.Metric(labels={"route": self.route_name, "upstream": llm_model})
+        gauge = self._gauge_family.Metric(labels={"route": self.route_name, "upstream": llm_model,
+                                                  **self.instance_labels})
         gauge.set(1)
         return gauge
 
@@ -229,7 +234,8 @@ class BlsRoute:
                    if preprocessing else None,
                    max_workers=int(params.get("max_concurrent_requests", "256")),
                    make_response=make_response, hooks=hooks,
-                   route_name=str(args.get("model_name", "bls")), upstream_timeout_s=timeout_s)
+                   route_name=str(args.get("model_name", "bls")), upstream_timeout_s=timeout_s,
+                   instance_labels=metric_labels(args, {}) if "model_config" in args else None)
 
     # ---- called from execute ------------------------------------------------------------
     def execute(self, requests: Any, parse: Callable[[dict, Any], TextRequest],

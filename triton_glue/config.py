@@ -166,6 +166,17 @@ def instance_count(model_config: Union[str, Mapping[str, Any]]) -> int:
     return sum(int(g.get("count", 1) or 1) * max(1, len(g.get("gpus") or [])) for g in groups)
 
 
+def metric_labels(args: Mapping[str, Any], base: Mapping[str, str]) -> dict[str, str]:
+    """The labels of a model instance's custom metrics: `base`, plus the instance's name when
+    Triton runs several instances. Two instances that make a metric with the same name and labels
+    get one Prometheus series in the server, which the first instance to unload frees while the
+    others still write to it (tritonserver then aborts on a corrupt heap at unload)."""
+    labels = dict(base)
+    if instance_count(args["model_config"]) > 1:
+        labels["instance"] = str(args["model_instance_name"])
+    return labels
+
+
 def _process_identity(pid: int) -> list:
     """What tells process `pid` apart from any other, past or present, on this machine: its pid
     namespace, its pid and its start time (pids are reused, and differ per namespace)."""

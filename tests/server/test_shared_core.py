@@ -86,6 +86,12 @@ def test_two_instances_share_one_engine(tmp_path, reference_engine):
         time.sleep(0.5)  # one more export: a count past the expected would show now
         assert srv.metric("llm_generation_tokens_total") - gen0 == 2 * sum(lens)
         assert srv.metric("llm_prefix_cache_queried_tokens_total") - queried0 == 2 * sum(map(len, prompts))
+        # one series per instance: two instances that made the same series would share one
+        # Prometheus object in the server, freed by the first to unload under the other
+        series = [l.split("{", 1)[1].split("}", 1)[0] for l in srv.metrics_text().splitlines()
+                  if l.startswith("llm_generation_tokens_total{")]
+        assert sorted(l for s in series for l in s.split(",") if l.startswith("instance=")) == [
+            'instance="llm_0_0"', 'instance="llm_0_1"'], series
 
         # cancels at random points: the engine keeps nothing of them
         sc = StreamClient(srv.grpc_url)

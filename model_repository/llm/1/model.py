@@ -191,7 +191,8 @@ class TritonPythonModel:
         if switch_ms:
             sys.setswitchinterval(glue_config.positive_ms("gil_switch_interval_ms", switch_ms) / 1e3)
             os.environ[CORE_SWITCH_INTERVAL_ENV] = switch_ms  # and the engine core's, started from here
-        self.metrics = EngineMetrics(pb_utils, {"model": self.name, "version": args["model_version"]})
+        self.metrics = EngineMetrics(pb_utils, glue_config.metric_labels(args, {"model": self.name,
+                                                                                "version": self.version}))
 
         in_process = not glue_config.engine_process(self.model_config)
         fault_after = int(glue_config.glue_parameter(self.model_config, "test_fault_after_steps"))

@@ -16,7 +16,7 @@ if (_ROOT / "triton_glue").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from triton_glue.bls import BlsRoute  # noqa: E402
-from triton_glue.config import parameters_of  # noqa: E402
+from triton_glue.config import metric_labels, parameters_of  # noqa: E402
 from triton_glue.inputs import client_parameters, reject_unknown_parameters, request_parameters  # noqa: E402
 from triton_glue.logprob_tensors import vllm_logprobs_json  # noqa: E402
 from triton_glue.sequences import SequenceJoiner, fan_out  # noqa: E402
@@ -77,7 +77,8 @@ class TritonPythonModel:
     def initialize(self, args):
         params = parameters_of(json.loads(args["model_config"]))
         # vllm_backend's vllm:* metrics (REPORT_CUSTOM_METRICS) and cancellation log lines
-        self.hooks = VllmRouteHooks(pb_utils, {"model": args["model_name"], "version": args["model_version"]},
+        self.hooks = VllmRouteHooks(pb_utils, metric_labels(args, {"model": args["model_name"],
+                                                                    "version": args["model_version"]}),
                                     metrics=report_custom_metrics(params))
         # tokenize in-process
         self.route = BlsRoute.from_model_args(pb_utils, args, preprocessing=False, make_response=self._response,
