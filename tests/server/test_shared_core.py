@@ -179,3 +179,41 @@ def test_ctrl_c_with_streams_on_two_instances_leaves_nothing(tmp_path):
         for s in streams:
             s.close()
         srv.cleanup(regions)
+
+
+def test_two_instances_load_and_unload_again_and_again(tmp_path):
+    """Unload with two instances exporting stats every few ms, several times over one server: no
+    instance writes a metric the other's unload freed (tritonserver aborted on a corrupt heap
+    when both had made the same series), and each cycle's streams end whole."""
+    repo = _two_instance_repo(tmp_path)
+    cfg = repo / "llm" / "config.pbtxt"
+    text, n = re.subn(r'(key: "stats_interval_ms"\s*value: \{ string_value: )"\d+"', r'\1"2"', cfg.read_text())
+    assert n == 1
+    cfg.write_text(text)
+    srv = start_server(tmp_path, model_control="explicit", load_models=("llm",), model_repository=repo,
+                       wait_model="llm")
+    headers = {"triton-access-key": ACCESS_KEY}
+    try:
+        for cycle in range(4):
+            if cycle:
+                status, text = http_post(srv.http_url, "/v2/repository/models/llm/load", {}, headers=headers,
+                                         timeout=120)
+                assert status == 200, (cycle, text)
+            sc = StreamClient(srv.grpc_url)
+            try:
+                got = [_stream(sc, [5 + i, 6, 7], 6, f"u{cycle}-{i}") for i in range(8)]
+                for c in got:
+                    assert c.done.wait(60), cycle
+                    assert c.finals == 1 and not c.errors and len(sum(c.ids(), [])) == 6, (cycle, c.errors)
+            finally:
+                sc.close()
+            status, text = http_post(srv.http_url, "/v2/repository/models/llm/unload", {}, headers=headers,
+                                     timeout=60)
+            assert status == 200, (cycle, text)
+            assert wait_for(lambda: not [p for p in procs.stubs(srv.proc.pid) if p.stub_model == "llm"], 60), \
+                (cycle, srv.log_tail())
+            assert srv.proc.poll() is None, (cycle, srv.log_tail())
+        log = srv.log_path.read_text(errors="replace")
+        assert "Signal (" not in log and "malloc" not in log, log[-3000:]
+    finally:
+        srv.stop()
