@@ -107,7 +107,7 @@ def test_markdown_table_has_a_line_per_row(report):
         if r["workload"] == "burst":
             assert any(l.startswith(f"| {r['path']} | {r['requests']} | 0 |") for l in lines), r["path"]
         else:
-            inflight = "-" if r.get("mean_in_flight") is None else f"{r['mean_in_flight']:.1f}"
+            inflight = "n/a" if r.get("mean_in_flight") is None else f"{r['mean_in_flight']:.1f}"  # genai-perf: n/a
             prefix = (f"| {r['workload']} | {r['sampling']} | {r['concurrency']} | {r['path']} | {inflight} | "
                       f"{r['requests']} | 0 |")
             assert sum(l.startswith(prefix) for l in lines) == 1, prefix
