@@ -63,3 +63,28 @@ def test_install_off_is_nothing(tiny_llama_path):
     eng = make_engine(tiny_llama_path)
     assert skinny_gemm.install(eng.runner.model, [1, 2], "off") is None
     assert all(p.gemm is None for p in eng.runner.model.projections())
+
+
+def test_time_candidates_times_each_and_leaves_out_the_rejected(monkeypatch):
+    """The start-up tuners' loop: the reference under None, each candidate's own call, and a
+    configuration whose call raises (the compiler rejects it) left out, not fatal."""
+    timed = []
+
+    def fake_time(fn, x, copies):
+        us = fn(x, None, None)  # the call itself: a number here
+        timed.append(us)
+        return us
+
+    monkeypatch.setattr(skinny_gemm, "time_linear_us", fake_time)
+
+    def make_call(cfg):
+        def call(_x, _w, _b):
+            if cfg == "bad":
+                raise RuntimeError("out of shared memory")
+            return {"a": 3.0, "b": 1.5}[cfg]
+        return call
+
+    times = skinny_gemm.time_candidates(lambda _x, _w, _b: 2.0, make_call, ["a", "bad", "b"], None, [], "test")
+    assert times == {None: 2.0, "a": 3.0, "b": 1.5}
+    assert timed == [2.0, 3.0, 1.5]
+    assert min(times, key=times.get) == "b"
