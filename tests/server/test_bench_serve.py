@@ -29,13 +29,17 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def _skip_without_triton() -> None:
     from triton_glue import launch
     try:
         launch.find_triton()
     except launch.TritonNotFound as e:
         pytest.skip(f"tritonserver not available: {e}")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    _skip_without_triton()
     out = tmp_path_factory.mktemp("bench-serve")
     cmd = [sys.executable, "-m", "bench.serve", "--smoke", "--model", str(MODEL_DIR), "--out-dir", str(out),
            "--concurrency", ",".join(map(str, CONCURRENCY)), "--rounds", str(ROUNDS),
@@ -116,11 +120,7 @@ def test_markdown_table_has_a_line_per_row(report):
 def test_a_server_that_fails_to_load_is_reported_and_the_run_goes_on(tmp_path):
     """A variant whose llm parameters are invalid: its server never gets ready; the run records
     the load error (naming the parameter) for that part, runs the next part, exits 1."""
-    from triton_glue import launch
-    try:
-        launch.find_triton()
-    except launch.TritonNotFound as e:
-        pytest.skip(f"tritonserver not available: {e}")
+    _skip_without_triton()
     cmd = [sys.executable, "-m", "bench.serve", "--smoke", "--model", str(MODEL_DIR), "--out-dir", str(tmp_path),
            "--parts", "triton,burst", "--concurrency", "1", "--samplings", "greedy", "--workloads", "fixed",
            "--mixed-requests", "3", "--mixed-output", "2-4", "--warmup", "1", "--perf-analyzer", str(PA),
@@ -140,11 +140,7 @@ def test_perf_analyzer_threads_one_row_each(tmp_path):
     """--pa-threads 0,1: a Triton row per perf_analyzer thread setting, each with every request;
     1 passes --max-threads 1 (one thread holds all the streams and walks the data in order), 0
     leaves perf_analyzer's own default."""
-    from triton_glue import launch
-    try:
-        launch.find_triton()
-    except launch.TritonNotFound as e:
-        pytest.skip(f"tritonserver not available: {e}")
+    _skip_without_triton()
     cmd = [sys.executable, "-m", "bench.serve", "--smoke", "--model", str(MODEL_DIR), "--out-dir", str(tmp_path),
            "--parts", "triton", "--concurrency", "3", "--samplings", "greedy", "--workloads", "mixed",
            "--mixed-output", "2-6", "--rounds", "2", "--min-requests", "6", "--warmup", "1", "--perf-analyzer",
