@@ -47,12 +47,12 @@ def triton_interpret() -> bool:
 SKINNY_GEMM_ENV = "BACKEND_LIB_SKINNY_GEMM"
 
 
-def _switch(name: str, others: tuple[str, ...] = ()) -> str:
-    """An on/off switch that defaults to on, with `others` as further modes."""
-    v = os.environ.get(name, "on").strip().lower()
+def _switch(name: str, others: tuple[str, ...] = (), default: str = "on") -> str:
+    """An on/off switch (unset: `default`), with `others` as further modes."""
+    v = (os.environ.get(name, "").strip() or default).lower()
     if v in ("0", "off", "false", "no"):
         return "off"
-    if v in ("", "1", "on", "true", "yes"):
+    if v in ("1", "on", "true", "yes"):
         return "on"
     if v in others:
         return v
@@ -80,12 +80,15 @@ def decode_gemv() -> str:
 # One-token MLPs as one kernel each (backend_lib/layers/decode_mlp.py: add + norm, gate/up,
 # silu * mul and down, the down projection split over the intermediate channels with fp32
 # atomics): on (where start-up timing beats decode_gemv's two kernels), force (every layer,
-# untimed: tests), off. Needs BACKEND_LIB_DECODE_GEMV on; CUDA engines only.
+# untimed: tests), off (the default: on the H100 it lost on both shapes, forced 0.5B batch 1
+# 0.729 -> 0.796 ms and 8B 5.70 -> 7.28 ms, so `on` only added ~3 s of start-up timing to
+# keep the two kernels; bench/RESULTS.md, eighteenth session). Needs BACKEND_LIB_DECODE_GEMV
+# on; CUDA engines only.
 DECODE_MLP_ENV = "BACKEND_LIB_DECODE_MLP"
 
 
 def decode_mlp() -> str:
-    return _switch(DECODE_MLP_ENV, ("force",))
+    return _switch(DECODE_MLP_ENV, ("force",), default="off")
 
 
 # The decode program's per-row inputs (ids, slots, KV slots, block tables, lengths; see

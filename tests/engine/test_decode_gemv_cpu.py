@@ -26,6 +26,16 @@ def test_switch_rejects_unknown_value(monkeypatch):
         envs.decode_gemv()
 
 
+@pytest.mark.parametrize("raw,want", [(None, "off"), ("", "off"), ("on", "on"), ("0", "off"), (" Force", "force")])
+def test_one_kernel_mlp_switch_defaults_to_off(monkeypatch, raw, want):
+    """BACKEND_LIB_DECODE_MLP: off unless asked for (it lost on the H100 on both shapes)."""
+    if raw is None:
+        monkeypatch.delenv(envs.DECODE_MLP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(envs.DECODE_MLP_ENV, raw)
+    assert envs.decode_mlp() == want
+
+
 def test_off_installs_nothing():
     model = torch.nn.Linear(4, 4)
     assert dg.install(model, "off") is None
