@@ -257,9 +257,12 @@ def sampling_fields(arrays: Arrays, b: int = 0, batch: int = 1) -> SamplingField
         f.bad_token_ids.append(seq[0])
     end_id = _int(arrays, ("end_id",), b, batch)
     if end_id is not None and end_id >= 0:
-        # TensorRT-LLM's end_id replaces the model's EOS.
+        # TensorRT-LLM's end_id replaces the model's EOS, and ignore_eos ignores it as it would
+        # the EOS: the ensemble's preprocessing fills end_id in from the tokenizer on every
+        # request, which would otherwise end an ignore_eos stream at its first sampled EOS.
+        if not f.ignore_eos:
+            f.stop_token_ids = list(f.stop_token_ids) + [end_id]
         f.ignore_eos = True
-        f.stop_token_ids = list(f.stop_token_ids) + [end_id]
     return f
 
 

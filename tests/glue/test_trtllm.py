@@ -39,6 +39,17 @@ def test_word_list_round_trip_matches_trtllm_layout():
             parse_word_list("x", bad)
 
 
+def test_ignore_eos_also_ignores_end_id():
+    """ignore_eos runs to max_tokens: the end_id the ensemble's preprocessing fills in (the
+    tokenizer's EOS) must not stop it; without ignore_eos end_id replaces the model's EOS."""
+    base = {"input_ids": np.array([[1, 2, 3]], np.int32), "max_tokens": arr(8, np.int32),
+            "end_id": arr(2, np.int32), "stop_token_ids": np.array([[7]], np.int32)}
+    (r,) = parse_token_requests(dict(base, ignore_eos=arr(True, bool)))
+    assert r.sampling.ignore_eos and r.sampling.stop_token_ids == [7]
+    (r,) = parse_token_requests(dict(base, ignore_eos=arr(False, bool)))
+    assert r.sampling.ignore_eos and r.sampling.stop_token_ids == [7, 2]
+
+
 def test_token_rows_batch_trim_and_trtllm_names():
     rows = parse_token_requests({
         "input_ids": np.array([[1, 2, 3, 0], [4, 5, 6, 7]], np.int32),

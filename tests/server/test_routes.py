@@ -149,3 +149,18 @@ def test_client_cli(server, refs, capsys):
                     "--url", url] + (["--http"] if http else [])
             assert main(argv) == 0
             assert capsys.readouterr().out == ref_text + "\n"
+
+
+@pytest.mark.parametrize("route", ["ensemble", "llm_bls"])
+def test_ignore_eos_runs_past_the_eos_to_max_tokens(server, tokenizer, reference_engine, route):
+    """ignore_eos on the TensorRT-LLM-style routes: the ensemble's preprocessing fills end_id in
+    from the tokenizer on every request, which must not end the stream at the first EOS."""
+    prompt, n = "Once upon a time 0", 200
+    ids = tokenizer.encode(prompt)
+    plain = reference_engine.generate([ids], SamplingParams(max_tokens=n, temperature=0.0))[0]
+    assert str(plain.finish_reason) == "stop" and len(plain.token_ids) < n  # greedy meets the EOS first
+    ref = reference_engine.generate([ids], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+    assert len(ref.token_ids) == n
+    events = http_stream_events(server.http_url, route, body_for(route, prompt, True, max_tokens=n, ignore_eos=True))
+    assert sum(int(np.asarray(e["num_output_tokens"]).reshape(-1)[0]) for e in events) == n
+    assert "".join(joined(e["text_output"]) for e in events) == full_text(tokenizer, ids, ref.token_ids)
