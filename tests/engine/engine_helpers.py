@@ -254,3 +254,11 @@ def preempt_when_scheduling_output(eng, request_id: str, n_outputs: int) -> list
 
     sched.schedule = schedule
     return forced
+
+
+def set_env(monkeypatch, name: str, raw) -> None:
+    """An environment switch as a user leaves it: unset (raw None) or set to raw."""
+    if raw is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, raw)

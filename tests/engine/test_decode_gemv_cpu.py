@@ -8,15 +8,13 @@ import torch.nn.functional as F
 
 from backend_lib import envs
 from backend_lib.layers import decode_gemv as dg
+from engine_helpers import set_env
 
 
 @pytest.mark.parametrize("raw,want", [(None, "on"), ("", "on"), ("off", "off"), ("0", "off"), ("ON", "on"),
                                       ("implicit", "implicit"), ("pdl", "pdl"), (" nopdl ", "nopdl")])
 def test_switch_values(monkeypatch, raw, want):
-    if raw is None:
-        monkeypatch.delenv(envs.DECODE_GEMV_ENV, raising=False)
-    else:
-        monkeypatch.setenv(envs.DECODE_GEMV_ENV, raw)
+    set_env(monkeypatch, envs.DECODE_GEMV_ENV, raw)
     assert envs.decode_gemv() == want
 
 
@@ -29,10 +27,7 @@ def test_switch_rejects_unknown_value(monkeypatch):
 @pytest.mark.parametrize("raw,want", [(None, "off"), ("", "off"), ("on", "on"), ("0", "off"), (" Force", "force")])
 def test_one_kernel_mlp_switch_defaults_to_off(monkeypatch, raw, want):
     """BACKEND_LIB_DECODE_MLP: off unless asked for (it lost on the H100 on both shapes)."""
-    if raw is None:
-        monkeypatch.delenv(envs.DECODE_MLP_ENV, raising=False)
-    else:
-        monkeypatch.setenv(envs.DECODE_MLP_ENV, raw)
+    set_env(monkeypatch, envs.DECODE_MLP_ENV, raw)
     assert envs.decode_mlp() == want
 
 

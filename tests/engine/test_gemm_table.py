@@ -6,16 +6,13 @@ import torch.nn.functional as F
 
 from backend_lib import envs
 from backend_lib.layers import skinny_gemm
-from engine_helpers import greedy, make_engine
+from engine_helpers import greedy, make_engine, set_env
 
 
 @pytest.mark.parametrize("raw,want", [(None, "on"), ("", "on"), ("0", "off"), ("off", "off"), ("1", "on"), ("on", "on"),
                                       ("force", "force"), (" FORCE ", "force")])
 def test_switch_values(monkeypatch, raw, want):
-    if raw is None:
-        monkeypatch.delenv(envs.SKINNY_GEMM_ENV, raising=False)
-    else:
-        monkeypatch.setenv(envs.SKINNY_GEMM_ENV, raw)
+    set_env(monkeypatch, envs.SKINNY_GEMM_ENV, raw)
     assert envs.skinny_gemm() == want
 
 
