@@ -235,7 +235,7 @@ class BlsRoute:
                    max_workers=int(params.get("max_concurrent_requests", "256")),
                    make_response=make_response, hooks=hooks,
                    route_name=str(args.get("model_name", "bls")), upstream_timeout_s=timeout_s,
-                   instance_labels=metric_labels(args, {}) if "model_config" in args else None)
+                   instance_labels=metric_labels(args, {}))
 
     # ---- called from execute ------------------------------------------------------------
     def execute(self, requests: Any, parse: Callable[[dict, Any], TextRequest],
