@@ -107,6 +107,8 @@ class LLMEngine:
     def _num_kv_blocks(self, hf) -> int:
         cfg = self.config
         if cfg.num_kv_blocks:
+            if cfg.device != "cpu":
+                _check_kv_fits(cfg, hf, cfg.num_kv_blocks)
             return cfg.num_kv_blocks
         per_seq = (self.max_model_len + cfg.block_size - 1) // cfg.block_size
         if cfg.device == "cpu":
@@ -318,18 +320,39 @@ def _eos_ids(path: str, hf) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _cuda_kv_blocks(cfg: EngineConfig, hf) -> int:
-    """Blocks that fit in gpu_memory_utilization of the device after the weights (the runner
-    loads weights before allocating KV; here we estimate weights from the config)."""
+_ACTIVATIONS_BYTES = 4 * 2**30  # logits of the largest batch, prefill activations, graph pool
+
+
+def _kv_sizes(cfg: EngineConfig, hf) -> tuple[int, int]:
+    """(bytes of one KV block over all layers, bytes of the weights), from the config."""
     from .models.llama import ModelShape
     s = ModelShape.from_hf_config(hf)
     elem = 4 if cfg.dtype == "float32" else 2
-    per_block = s.num_layers * 2 * cfg.block_size * s.num_kv_heads * s.head_dim * elem
+    return s.num_layers * 2 * cfg.block_size * s.num_kv_heads * s.head_dim * elem, _param_count(s) * elem
+
+
+def _cuda_kv_blocks(cfg: EngineConfig, hf) -> int:
+    """Blocks that fit in gpu_memory_utilization of the device after the weights (the runner
+    loads weights before allocating KV; here we estimate weights from the config)."""
+    per_block, weights = _kv_sizes(cfg, hf)
     free, total = torch.cuda.mem_get_info()
-    weights = _param_count(s) * elem
-    activations = 4 * 2**30  # logits of the largest batch, prefill activations, graph pool
-    budget = total * cfg.gpu_memory_utilization - (total - free) - weights - activations
+    budget = total * cfg.gpu_memory_utilization - (total - free) - weights - _ACTIVATIONS_BYTES
     return max(int(budget // per_block), 2)
+
+
+def _check_kv_fits(cfg: EngineConfig, hf, blocks: int) -> None:
+    """An explicit num_kv_blocks that cannot fit beside the weights fails here, naming the
+    field and the limit, rather than as an out-of-memory error from the allocation."""
+    per_block, weights = _kv_sizes(cfg, hf)
+    free, _ = torch.cuda.mem_get_info()
+    room = free - weights - _ACTIVATIONS_BYTES
+    if blocks * per_block > room:
+        gib = 2.0**30
+        raise ValueError(
+            f"EngineConfig.num_kv_blocks: {blocks} blocks need {blocks * per_block / gib:.1f} GiB of KV cache "
+            f"({per_block / 2**20:.2f} MiB a block); the GPU has {free / gib:.1f} GiB free, "
+            f"{(weights + _ACTIVATIONS_BYTES) / gib:.1f} GiB of it for the weights and activations: at most "
+            f"{max(int(room // per_block), 0)} blocks fit (0 sizes the cache from gpu_memory_utilization)")
 
 
 def _param_count(s) -> int:

@@ -118,7 +118,11 @@ def engine_params(args, model_path: str) -> dict[str, str]:
         # half waited for the first: 58.6k against 70.0k output tok/s on the H200, RESULTS.md)
         p.update(max_num_seqs="512", max_num_batched_tokens="8192", cuda_graph_max_batch="512")
     bs = int(p["block_size"])
-    longest = max(args.prompt_len + args.output_len, args.mixed_prompt[1] + args.mixed_output[1])
+    # only the parts this run has: a KV cache sized for the burst does not fit the 8B shape on
+    # an 80 GiB card
+    mixed_lengths = "mixed" in args.workloads or "burst" in args.parts
+    longest = max([args.prompt_len + args.output_len]
+                  + ([args.mixed_prompt[1] + args.mixed_output[1]] if mixed_lengths else []))
     max_len = (longest + bs) // bs * bs
     p.update(model_path=str(Path(model_path).resolve()), device=args.device, dtype=args.dtype,
              load_format=args.load_format, max_model_len=str(max_len))
@@ -126,7 +130,8 @@ def engine_params(args, model_path: str) -> dict[str, str]:
         k, v = kv.split("=", 1)
         p[k] = v
     if p.get("num_kv_blocks", "0") == "0":  # for the most sequences this run can have at once
-        seqs = min(int(p["max_num_seqs"]), max(list(args.concurrency) + [args.mixed_requests]))
+        seqs = min(int(p["max_num_seqs"]),
+                   max(list(args.concurrency) + ([args.mixed_requests] if "burst" in args.parts else [])))
         p["num_kv_blocks"] = str(seqs * (int(p["max_model_len"]) // bs) + 16)
     return p
 

@@ -196,3 +196,21 @@ def test_request_id_with_nul_is_refused(eng):
             counts[out.index] = counts.get(out.index, 0) + len(out.new_token_ids)
     assert counts == {0: 6, 1: 6}
     assert eng.stats().kv_blocks_used == 0
+
+
+def test_explicit_num_kv_blocks_that_cannot_fit_the_gpu_names_the_limit(path, monkeypatch):
+    """An explicit num_kv_blocks larger than the GPU's free memory is refused before the
+    allocation with the field, the sizes and the largest count that fits (the 8B shape with
+    the bench's 49680 blocks asked an 80 GiB H100 for 97 GiB and died in torch's allocator)."""
+    from backend_lib import engine as engine_mod
+    from backend_lib.models.loader import load_hf_config
+    cfg = EngineConfig(model_path=path, device="cuda", dtype="bfloat16", num_kv_blocks=11)
+    hf = load_hf_config(path)
+    per_block, weights = engine_mod._kv_sizes(cfg, hf)
+    free = weights + engine_mod._ACTIVATIONS_BYTES + 10 * per_block
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, 2 * free))
+    with pytest.raises(ValueError) as e:
+        engine_mod._check_kv_fits(cfg, hf, 11)
+    msg = str(e.value)
+    assert msg.startswith("EngineConfig.num_kv_blocks: 11 blocks need") and "at most 10 blocks fit" in msg
+    engine_mod._check_kv_fits(cfg, hf, 10)  # exactly what fits passes
