@@ -483,3 +483,18 @@ def test_soak_with_a_stream_interval(server_with_stream_interval, refs):
     """llm's engine outputs a request's tokens in chunks of three (stream_interval=3): the same
     soak, a third of its size (stop strings inside a chunk, cancels while tokens are held)."""
     _soak(server_with_stream_interval, refs, N_REQUESTS // 3)
+
+
+@pytest.fixture(scope="module")
+def server_with_async_handoff(tmp_path_factory):
+    yield from _server_with(tmp_path_factory, "triton-async", "async_token_handoff", "on",
+                            "'async_token_handoff': 'on'")
+
+
+def test_soak_with_the_overlapped_path(server_with_async_handoff, refs):
+    """async_token_handoff=on (the overlapped path, emulated on CPU), so llm's shipped
+    step_lookahead=2 is in force: two steps are launched before the host reads the oldest, and
+    a stop or cancel lands while a request still has steps in flight. The same soak, a third of
+    its size; the steps ran overlapped (llm_async_steps_total)."""
+    _soak(server_with_async_handoff, refs, N_REQUESTS // 3)
+    assert server_with_async_handoff.metric("llm_async_steps_total") > 0
