@@ -77,6 +77,16 @@ def decode_gemv() -> str:
     return _switch(DECODE_GEMV_ENV, ("implicit", "pdl", "nopdl"))
 
 
+# Split-K one-token projections (decode_gemv's split_k: o_proj and down spread K over several
+# programs per column block, fp32 atomics into a per-layer accumulator): on (start-up timing
+# tries them beside the unsplit tiles and keeps the fastest) or off (unsplit tiles only).
+DECODE_GEMV_SPLIT_K_ENV = "BACKEND_LIB_DECODE_GEMV_SPLIT_K"
+
+
+def decode_gemv_split_k() -> str:
+    return _switch(DECODE_GEMV_SPLIT_K_ENV)
+
+
 # One-token MLPs as one kernel each (backend_lib/layers/decode_mlp.py: add + norm, gate/up,
 # silu * mul and down, the down projection split over the intermediate channels with fp32
 # atomics): on (where start-up timing beats decode_gemv's two kernels), force (every layer,

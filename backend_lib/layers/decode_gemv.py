@@ -26,18 +26,26 @@ y[N] = prologue(x) @ W[N, K]^T (+ b) for one row, fp32 accumulation, in x's dtyp
 Each rounds where the unfused torch ops round (HF's order), as layers/fused_ops.py does.
 
 A program owns BLOCK_N output columns and walks K in BLOCK_K chunks, loading chunk c + 1
-while it multiplies chunk c. Which (BLOCK_N, BLOCK_K, warps) is fastest depends on the shape;
-`DecodeGemv.tune` measures inside a CUDA graph, as the decode step runs them.
+while it multiplies chunk c. With split_k > 1 (PLAIN and SILU_MUL only: o_proj and down, whose
+consumer is an add + norm prologue that rounds an fp32 row) the grid also splits K: program
+(n, s) walks the s-th slice of K and adds its partial sums into an fp32 accumulator with
+atomics, so a projection with few output columns and a long K (the 0.5B down projection: 896
+columns, K 4864) keeps every SM streaming instead of 112 programs walking K one after another.
+Its accumulator is one of an AccumulatorRing (layers/accumulator_ring.py), zeroed by the next
+layer's same projection; the sum's order varies between runs. Which (BLOCK_N, BLOCK_K, warps,
+split_k) is fastest depends on the shape; `DecodeGemv.tune` measures inside a CUDA graph, as
+the decode step runs them.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from .. import envs
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
 from .triton_support import pdl_launch, pdl_release_dependents, pdl_supported  # noqa: F401
@@ -52,12 +60,19 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int
+    split_k: int = 1   # > 1: K split over that many programs per column block (fp32 atomics)
 
 
 DEFAULT_CONFIG = GemvConfig(8, 1024, 4)
 # What start-up tuning tries (few: each compiles once per prologue, then Triton's disk cache).
 CANDIDATES = (GemvConfig(4, 1024, 4), GemvConfig(8, 1024, 4), GemvConfig(8, 512, 4),
               GemvConfig(16, 512, 4), GemvConfig(16, 1024, 8), GemvConfig(32, 256, 4))
+# ... and where the output may be an fp32 accumulator (SPLIT_K_PROLOGUES, no rope epilogue).
+SPLIT_K_CANDIDATES = (GemvConfig(8, 1024, 4, 2), GemvConfig(8, 512, 4, 4), GemvConfig(8, 256, 4, 8),
+                      GemvConfig(16, 512, 4, 2), GemvConfig(16, 512, 4, 4), GemvConfig(4, 512, 4, 4))
+SPLIT_K_PROLOGUES = (0, 3)   # PLAIN, SILU_MUL: o_proj and down, read by an add + norm prologue
+# A split's K slice starts on a multiple of this many elements (16-byte aligned weight loads).
+_SPLIT_ALIGN = 64
 
 
 if HAS_TRITON:
@@ -147,14 +162,20 @@ if HAS_TRITON:
     @triton.jit
     def _gemv_kernel(X, R, LNW, W, B, Y, ROUT, N, K, eps, stride_wn,
                      COS, SIN, POS, KC, VC, SLOT, stride_cos,
-                     PART_M, PART_L, ATTN_SL, num_splits,
+                     PART_M, PART_L, ATTN_SL, num_splits, ZERO, k_per_split,
                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROPE: tl.constexpr = False,
                      HQ: tl.constexpr = 0, HKV: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2,
                      HALF: tl.constexpr = 1, EARLY_RELEASE: tl.constexpr = True,
-                     ATTN_BLOCK_N: tl.constexpr = 64, SPLIT_CHUNK: tl.constexpr = 8):
+                     ATTN_BLOCK_N: tl.constexpr = 64, SPLIT_CHUNK: tl.constexpr = 8,
+                     SPLIT_K: tl.constexpr = False):
         pid = tl.program_id(0)
-        DT = Y.dtype.element_ty
+        # SPLIT_K: this program's K slice [k_lo, k_hi) (k_per_split is K without a split);
+        # Y is an fp32 accumulator the slices add into, ZERO the ring's buffer to clear.
+        pid_k = tl.program_id(1)
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(K, k_lo + k_per_split)
+        DT = W.dtype.element_ty if SPLIT_K else Y.dtype.element_ty
         lane = tl.arange(0, BLOCK_N)
         if ROPE:
             # Lanes 2i and 2i + 1 own columns j and j + HALF of one head: the rotation's pair.
@@ -167,8 +188,8 @@ if HAS_TRITON:
         offs_kb = tl.arange(0, BLOCK_K)
         w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
         # The first weight tile does not depend on earlier kernels: in flight before the wait.
-        w_next = tl.load(w_rows + offs_kb[None, :], mask=n_mask[:, None] & (offs_kb < K)[None, :],
-                         other=0.0)
+        w_next = tl.load(w_rows + (k_lo + offs_kb)[None, :],
+                         mask=n_mask[:, None] & (k_lo + offs_kb < k_hi)[None, :], other=0.0)
         if USE_PDL:
             if EARLY_RELEASE:
                 pdl_release_dependents()
@@ -184,7 +205,7 @@ if HAS_TRITON:
                 mask = offs < K
                 s = _stream_chunk(X, R, offs, mask, HAS_RES, DT)
                 if HAS_RES:
-                    if pid == 0:
+                    if (pid == 0) & (pid_k == 0):
                         tl.store(ROUT + offs, s.to(ROUT.dtype.element_ty), mask=mask)
                 ss += s * s
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
@@ -193,12 +214,12 @@ if HAS_TRITON:
             ran = tl.minimum(num_splits, tl.cdiv(tl.load(ATTN_SL), ATTN_BLOCK_N))
 
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             w = w_next
             offs = k0 + offs_kb
-            mask = offs < K
+            mask = offs < k_hi
             nxt = offs + BLOCK_K
-            w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < K)[None, :],
+            w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_hi)[None, :],
                              other=0.0)
             if NORM:
                 s = _stream_chunk(X, R, offs, mask, HAS_RES, DT)
@@ -215,8 +236,13 @@ if HAS_TRITON:
                 x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
-            acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if ROPE:
+            if pid_k == 0:
+                acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SPLIT_K:
+            if pid_k == 0:  # the ring's previous accumulator: its reader is done (accumulator_ring)
+                tl.store(ZERO + offs_n, tl.zeros([BLOCK_N], tl.float32), mask=n_mask)
+            tl.atomic_add(Y + offs_n, acc, mask=n_mask, sem="relaxed")
+        elif ROPE:
             _rope_kv_epilogue(acc.to(DT).to(tl.float32), pid, Y, COS, SIN, POS, KC, VC, SLOT,
                               stride_cos, N, DT, BLOCK_N, HQ, HKV, HEAD_DIM, HALF)
         else:
@@ -253,12 +279,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
          ln_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
          cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False, rope: Optional[RopeKV] = None,
          early_release: bool = True,
-         out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None
-         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+         out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None,
+         zero: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x [1, K] (SILU_MUL: [1, 2K]) -> (y [1, N], new residual or None). ADD_RMSNORM returns
     x + residual as the new residual (into residual_out when given: the tests poison it).
     rope: y is q/k/v, rotated, and k/v also land in the cache (RopeKV). early_release (with
-    pdl): let the next kernel launch as this one starts, not only as it exits."""
+    pdl): let the next kernel launch as this one starts, not only as it exits.
+    cfg.split_k > 1: y is `out`, an fp32 [1, N] accumulator that must be zero, and `zero`
+    (fp32 [1, N], another buffer) is set to 0 (AccumulatorRing.for_layer gives both)."""
     if not supported(x, w, prologue):
         raise ValueError(f"decode_gemv: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          "not supported (one contiguous row, w's rows contiguous, one dtype (fp32 x "
@@ -297,18 +325,37 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
                      rope.slot_mapping, rope.cos.stride(0))
         rope_meta = dict(ROPE=True, HQ=rope.num_heads, HKV=rope.num_kv_heads, HEAD_DIM=d,
                          HALF=d // 2)
-    y = torch.empty(1, n, dtype=w.dtype, device=x.device) if out is None else out
+    split = cfg.split_k > 1
+    if split:
+        _check_split(prologue, rope, n, out, zero)
+        y = out
+    else:
+        y = torch.empty(1, n, dtype=w.dtype, device=x.device) if out is None else out
     new_res = None
     if prologue == ADD_RMSNORM:
         new_res = torch.empty_like(residual) if residual_out is None else residual_out
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    k_per_split = -(-k // cfg.split_k // _SPLIT_ALIGN) * _SPLIT_ALIGN if split else k
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
         w, b if b is not None else w, y, new_res if new_res is not None else y,
-        n, k, eps, w.stride(0), *rope_args, x, x, x, 0,
+        n, k, eps, w.stride(0), *rope_args, x, x, x, 0, zero if split else x, k_per_split,
         PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **rope_meta,
-        **pdl_launch(pdl))
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, SPLIT_K=split,
+        **rope_meta, **pdl_launch(pdl))
     return y, new_res
+
+
+def _check_split(prologue: int, rope: Optional[RopeKV], n: int, acc: Optional[torch.Tensor],
+                 zero: Optional[torch.Tensor]) -> None:
+    if prologue not in SPLIT_K_PROLOGUES or rope is not None:
+        raise ValueError(f"decode_gemv: split_k > 1 needs the PLAIN or SILU_MUL prologue and no rope "
+                         f"epilogue (got prologue {prologue}, rope {rope is not None})")
+    for name, t in (("out", acc), ("zero", zero)):
+        if t is None or t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
+            raise ValueError(f"decode_gemv: split_k > 1 needs `{name}`, a contiguous fp32 buffer of "
+                             f"{n} values (got {None if t is None else (tuple(t.shape), t.dtype)})")
+    if acc.data_ptr() == zero.data_ptr():
+        raise ValueError("decode_gemv: split_k > 1 needs `out` and `zero` to be different buffers")
 
 
 def merge_supported(parts, w: torch.Tensor, cfg: GemvConfig) -> bool:
@@ -316,7 +363,7 @@ def merge_supported(parts, w: torch.Tensor, cfg: GemvConfig) -> bool:
     d = parts.head_dim
     return (HAS_TRITON and (parts.acc.is_cuda or _INTERPRET) and w.dim() == 2 and w.stride(1) == 1
             and w.dtype == parts.dtype and w.shape[1] == parts.num_heads * d and d & (d - 1) == 0
-            and cfg.block_k % d == 0)
+            and cfg.block_k % d == 0 and cfg.split_k == 1)
 
 
 def gemv_merged(parts, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
@@ -333,10 +380,10 @@ def gemv_merged(parts, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     n, k = w.shape
     y = torch.empty(1, n, dtype=w.dtype, device=w.device) if out is None else out
     acc = parts.acc
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1)](
         acc, acc, acc, w, b if b is not None else w, y, y, n, k, 0.0, w.stride(0),
         acc, acc, acc, acc, acc, acc, 0,
-        parts.m, parts.l, parts.seq_lens, parts.num_splits,
+        parts.m, parts.l, parts.seq_lens, parts.num_splits, acc, k,
         PROLOGUE=MERGE_SPLITS, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, HEAD_DIM=parts.head_dim,
         ATTN_BLOCK_N=parts.block_n, **pdl_launch(pdl))
@@ -399,38 +446,57 @@ class DecodeGemv:
     and whether kernels launch with PDL. `tune` fills `configs` by timing candidates inside
     a CUDA graph against the unfused ops (the op's own kernel, then the projection through
     cuBLAS); None: the unfused ops were faster and run instead. An untuned shape runs
-    DEFAULT_CONFIG."""
+    DEFAULT_CONFIG. A split-K configuration (o_proj, down) writes layer `layer`'s accumulator
+    of `rings[key]` (one per layer of the forward: layers/accumulator_ring.py); a call without
+    a layer index, or for a shape without a ring, runs the same tile unsplit."""
 
     pdl: bool = False
     rope: bool = False  # the q/k/v projection also rotates and writes the KV cache (RopeKV)
     early_release: bool = True  # with pdl: the next kernel may launch as soon as this one starts
     merge_attention: bool = False  # attention leaves its splits to o_proj's MERGE_SPLITS prologue
+    num_layers: int = 0     # layers of the model's forward; split-K is tried only with 2 or more
     configs: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
+    rings: dict = field(default_factory=dict)   # shape key -> AccumulatorRing (split-K shapes)
 
     def run(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
-            rope: Optional[RopeKV] = None):
+            rope: Optional[RopeKV] = None, layer: Optional[int] = None):
         w = proj.weight
-        cfg = self.configs.get(shape_key(prologue, w, proj.bias, rope is not None), DEFAULT_CONFIG)
+        key = shape_key(prologue, w, proj.bias, rope is not None)
+        cfg = self.configs.get(key, DEFAULT_CONFIG)
         if cfg is None or not supported(x, w, prologue):
             return self.unfused(x.to(w.dtype), proj, prologue, residual, ln_weight, eps, rope)
+        out = zero = None
+        if cfg.split_k > 1:
+            ring = self.rings.get(key)
+            if ring is None or layer is None:
+                cfg = replace(cfg, split_k=1)
+            else:
+                out, zero = ring.for_layer(layer)
         return gemv(x, proj.weight, proj.bias, prologue=prologue, residual=residual,
                     ln_weight=ln_weight, eps=eps, cfg=cfg, pdl=self.pdl, rope=rope,
-                    early_release=self.early_release)
+                    early_release=self.early_release, out=out, zero=zero)
 
-    def project_attention(self, attn_out, proj) -> torch.Tensor:
+    def make_rings(self, device) -> None:
+        """An accumulator per layer for every shape whose tuned configuration splits K."""
+        from .accumulator_ring import AccumulatorRing
+        for key, cfg in self.configs.items():
+            if cfg is not None and cfg.split_k > 1 and key not in self.rings:
+                self.rings[key] = AccumulatorRing.create(self.num_layers, key[1], device)
+
+    def project_attention(self, attn_out, proj, layer: Optional[int] = None) -> torch.Tensor:
         """o_proj of the attention output: a tensor [1, Hq * D], or split partials
         (triton_attention.DecodePartials, with merge_attention) that the projection merges in
         its prologue, or the reduce kernel merges where o_proj runs unfused (cuBLAS won)."""
         from .triton_attention import DecodePartials, merge_decode_partials
         if not isinstance(attn_out, DecodePartials):
-            return self.run(attn_out.contiguous(), proj)[0]
+            return self.run(attn_out.contiguous(), proj, layer=layer)[0]
         w = proj.weight
         cfg = self.configs.get(shape_key(PLAIN, w, proj.bias, False), DEFAULT_CONFIG)
         if cfg is not None and merge_supported(attn_out, w, cfg):
             return gemv_merged(attn_out, w, proj.bias, cfg=cfg, pdl=self.pdl, early_release=self.early_release)
         o = merge_decode_partials(attn_out, pdl=self.pdl)
-        return self.run(o.view(1, -1), proj)[0]
+        return self.run(o.view(1, -1), proj, layer=layer)[0]
 
     def unfused(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
                 rope: Optional[RopeKV] = None):
@@ -461,7 +527,10 @@ class DecodeGemv:
         """cases: (prologue, weight, bias, heads) the model runs; heads (num_heads,
         num_kv_heads, head_dim) when the q/k/v projection carries the rope epilogue, else None.
         Each candidate is timed as 50 calls in one graph over weight copies larger than L2
-        (each layer's weights are cold); the unfused ops are timed the same way, rope included."""
+        (each layer's weights are cold); the unfused ops are timed the same way, rope included.
+        Split-K candidates are timed where the output may be an accumulator (SPLIT_K_PROLOGUES,
+        no rope) and the forward has the 2 layers a ring needs."""
+        from .accumulator_ring import AccumulatorRing
         from .skinny_gemm import time_candidates, weight_copies
         for prologue, w, b, heads in cases:
             key = shape_key(prologue, w, b, heads is not None)
@@ -473,18 +542,31 @@ class DecodeGemv:
             ln = torch.ones(k, dtype=w.dtype, device=w.device)
             rope = None if heads is None else _stand_in_rope(*heads, w.dtype, w.device)
             copies = weight_copies(w, b)
+            candidates = CANDIDATES
+            ring = None
+            if (prologue in SPLIT_K_PROLOGUES and heads is None and self.num_layers >= 2
+                    and envs.decode_gemv_split_k() == "on"):
+                candidates = CANDIDATES + SPLIT_K_CANDIDATES
+                ring = AccumulatorRing.create(2, w.shape[0], w.device)
+
             def fused(c):
+                acc, zero = ring.for_layer(0) if c.split_k > 1 else (None, None)
                 return lambda xx, ww, bb: gemv(xx, ww, bb, prologue=prologue, residual=res, ln_weight=ln, cfg=c,
-                                               pdl=self.pdl, rope=rope, early_release=self.early_release)
+                                               pdl=self.pdl, rope=rope, early_release=self.early_release,
+                                               out=acc, zero=zero)
 
             times = time_candidates(
                 lambda xx, ww, bb: self.unfused(xx, lambda t: F.linear(t, ww, bb), prologue, res, ln, rope=rope),
-                fused, CANDIDATES, x, copies, f"decode gemv {key}")
+                fused, candidates, x, copies, f"decode gemv {key}")
             del copies
             self.configs[key] = min(times, key=times.get)
             self.timings[key] = times
         fused = sum(c is not None for c in self.configs.values())
         logger.info("decode gemv: %d of %d shapes fused (pdl=%s)", fused, len(self.configs), self.pdl)
+        for key, cfg in self.configs.items():
+            t = self.timings.get(key, {})
+            logger.info("decode gemv %s: %s, %.2f µs (unfused %.2f µs)", key, cfg,
+                        t.get(cfg, float("nan")), t.get(None, float("nan")))
 
 
 def install(model, mode: str) -> Optional[DecodeGemv]:
@@ -496,10 +578,9 @@ def install(model, mode: str) -> Optional[DecodeGemv]:
     if mode == "off" or not HAS_TRITON:
         return None
     device = next(model.parameters()).device
-    from .. import envs
     table = DecodeGemv(pdl=(mode in ("on", "pdl", "implicit") and pdl_supported(device)),
                        rope=(mode in ("on", "implicit")), early_release=(mode != "implicit"),
-                       merge_attention=envs.decode_attn_reduce() == "oproj")
+                       merge_attention=envs.decode_attn_reduce() == "oproj", num_layers=len(model.layers))
     s = model.shape
     # The model's forward_one_token decides the same: Qwen3's q/k norm keeps rope apart.
     heads = (s.num_heads, s.num_kv_heads, s.head_dim) if table.rope and not s.qk_norm else None
@@ -512,5 +593,6 @@ def install(model, mode: str) -> Optional[DecodeGemv]:
                   (ADD_RMSNORM, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, None),
                   (SILU_MUL, mlp.down_proj.weight, mlp.down_proj.bias, None)]
     table.tune(cases)
+    table.make_rings(device)
     model.one_token_gemv = table
     return table

@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from .accumulator_ring import AccumulatorRing  # noqa: F401 - re-exported: its users import it from here
 from .decode_gemv import _rms_norm_ref
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
@@ -192,24 +193,6 @@ def mlp_ref(x, residual, ln_weight, w_gate_up, w_down, b_gate_up=None, b_down=No
     hn = _rms_norm_ref(new_res, ln_weight, eps)
     gate, up = F.linear(hn, w_gate_up, b_gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w_down, b_down), new_res
-
-
-@dataclass
-class AccumulatorRing:
-    """One fp32 [1, H] accumulator per layer of a forward for a split-K kernel's output, and
-    which one each layer's kernel zeroes (the previous layer's; layer 0: the last layer's).
-    Needs two layers or more: with one, a layer would zero its own output."""
-    buffers: torch.Tensor    # [num_layers, 1, H] fp32
-
-    @classmethod
-    def create(cls, num_layers: int, hidden: int, device) -> "AccumulatorRing":
-        if num_layers < 2:
-            raise ValueError(f"decode_mlp: the accumulator ring needs 2 layers or more (got {num_layers})")
-        return cls(torch.zeros(num_layers, 1, hidden, dtype=torch.float32, device=device))
-
-    def for_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(layer i's accumulator, the one layer i zeroes)."""
-        return self.buffers[i], self.buffers[i - 1]   # i = 0: index -1, the last layer's
 
 
 @dataclass

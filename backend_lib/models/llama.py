@@ -179,13 +179,14 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, fused=True), residual
 
     def forward_one_token(self, h, residual, positions, rotary, kv_cache, meta, gemv,
-                          mlp_kernel=None, oproj_kernel=None):
+                          mlp_kernel=None, oproj_kernel=None, index: Optional[int] = None):
         """forward_fused for a single token: each projection is one kernel that also runs the
         op feeding it (add + norm, silu * mul), launched with PDL (layers/decode_gemv.py).
         mlp_kernel (layers/decode_mlp.LayerMlp): the whole MLP as one kernel, whose output h is an fp32
         accumulator that the next projection's add + norm rounds. oproj_kernel
         (layers/decode_oproj.LayerOproj): attention's splits merged and projected in one
-        kernel, its output likewise an fp32 accumulator."""
+        kernel, its output likewise an fp32 accumulator. index: this layer's place in the
+        forward (the accumulator rings of gemv's split-K projections; None: none split)."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp, s = self.self_attn, self.mlp, self.self_attn.s
         # Qwen3's per-head q/k norm needs whole heads: its rope stays a kernel of its own.
@@ -204,12 +205,12 @@ class DecoderLayer(nn.Module):
         if oproj_kernel is not None and isinstance(o, DecodePartials):
             h = oproj_kernel(o, attn.o_proj)
         else:
-            h = gemv.project_attention(o, attn.o_proj)
+            h = gemv.project_attention(o, attn.o_proj, layer=index)
         if mlp_kernel is not None:
             return mlp_kernel(h, residual, ln2, mlp)
         gate_up, residual = gemv.run(h, mlp.gate_up_proj, decode_gemv.ADD_RMSNORM, residual,
                                      ln2.weight, ln2.eps)
-        h, _ = gemv.run(gate_up, mlp.down_proj, decode_gemv.SILU_MUL)
+        h, _ = gemv.run(gate_up, mlp.down_proj, decode_gemv.SILU_MUL, layer=index)
         return h, residual
 
 
@@ -252,7 +253,7 @@ class DecoderModel(nn.Module):
                     x, residual = layer.forward_one_token(
                         x, residual, positions, self.rotary, kv, meta, self.one_token_gemv,
                         mlp_kernels[i] if mlp_kernels else None,
-                        oproj_kernels[i] if oproj_kernels else None)
+                        oproj_kernels[i] if oproj_kernels else None, index=i)
                 else:
                     x, residual = layer.forward_fused(x, residual, positions, self.rotary, kv, meta)
             if residual is not None:

@@ -81,6 +81,53 @@ def test_matches_unfused_ops(n, k, bias, dtype, prologue_name):
             assert torch.all(res_out == POISON)
 
 
+SPLIT_SHAPES = ([(40, 300, True), (17, 1030, False)] if _ON_CPU
+                else [(896, 4864, False), (896, 896, True), (4096, 14336, False), (1000, 300, True)])
+
+
+@pytest.mark.parametrize("prologue_name", ["PLAIN", "SILU_MUL"])
+@pytest.mark.parametrize("n,k,bias", SPLIT_SHAPES)
+def test_split_k_adds_into_the_accumulator_and_zeroes_the_other(n, k, bias, prologue_name):
+    """split_k > 1: the slices' partial sums land in the fp32 accumulator (zero before), the
+    bias once, and the ring's other buffer (poisoned here) is zeroed; splits that leave a
+    slice empty or ragged included."""
+    dg = _dg()
+    seed = seed_from_env("DECODE_GEMV_TEST_SEED")
+    prologue = getattr(dg, prologue_name)
+    dtype = torch.float32 if _ON_CPU else torch.bfloat16
+    x, w, b, _, _ = _case(n, k, bias, dtype, prologue)
+    ref, _ = dg.gemv_ref(x, w, b, prologue=prologue)
+    if _ON_CPU:
+        cfgs = [dg.GemvConfig(8, 64, 1, 2), dg.GemvConfig(16, 32, 1, 3), dg.GemvConfig(4, 256, 1, 8)]
+    else:
+        cfgs = list(dg.SPLIT_K_CANDIDATES) + [dg.GemvConfig(8, 1024, 4, 16)]
+    pdl = dg.pdl_supported(torch.device(DEVICE))
+    for cfg in cfgs:
+        acc = torch.zeros(1, n, device=DEVICE)
+        zero = torch.full((1, n), POISON, device=DEVICE)
+        y, new_res = dg.gemv(x, w, b, prologue=prologue, cfg=cfg, pdl=pdl, out=acc, zero=zero)
+        assert y.data_ptr() == acc.data_ptr() and y.dtype == torch.float32 and new_res is None
+        assert _rel(y, ref) < TOL[dtype], (seed, cfg, _rel(y, ref))
+        assert torch.all(zero == 0), (seed, cfg)
+
+
+def test_split_k_rejects_what_it_cannot_split_with_the_field_named():
+    dg = _dg()
+    w = torch.zeros(8, 16, device=DEVICE)
+    x = torch.zeros(1, 16, device=DEVICE)
+    cfg = dg.GemvConfig(8, 16, 1, 2)
+    acc, zero = torch.zeros(1, 8, device=DEVICE), torch.zeros(1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="PLAIN or SILU_MUL"):
+        dg.gemv(x, w, prologue=dg.ADD_RMSNORM, residual=x.clone(), ln_weight=torch.ones(16, device=DEVICE),
+                cfg=cfg, out=acc, zero=zero)
+    with pytest.raises(ValueError, match="needs `zero`"):
+        dg.gemv(x, w, cfg=cfg, out=acc)
+    with pytest.raises(ValueError, match="needs `out`, a contiguous fp32 buffer of 8"):
+        dg.gemv(x, w, cfg=cfg, out=torch.zeros(1, 8, device=DEVICE, dtype=torch.float16), zero=zero)
+    with pytest.raises(ValueError, match="different buffers"):
+        dg.gemv(x, w, cfg=cfg, out=acc, zero=acc)
+
+
 def test_norm_input_is_rounded_like_hf():
     """The normalized row is rounded to the activation dtype before the products, as the
     unfused add + norm kernel's output is: with W = identity rows, y equals it exactly (one
@@ -208,7 +255,7 @@ def test_pdl_kernel_waits_and_releases_its_dependents():
     y = torch.empty(1, 64, device=DEVICE, dtype=torch.bfloat16)
     def ptx(early_release):
         return dg._gemv_kernel[(8,)](x, x, x, w, w, y, y, 64, 256, 1e-6, w.stride(0), *(x,) * 6, 0,
-                                     PART_M=x, PART_L=x, ATTN_SL=x, num_splits=0,
+                                     PART_M=x, PART_L=x, ATTN_SL=x, num_splits=0, ZERO=x, k_per_split=256,
                                      PROLOGUE=dg.PLAIN, HAS_BIAS=False, USE_PDL=True,
                                      EARLY_RELEASE=early_release, BLOCK_N=8, BLOCK_K=256,
                                      num_warps=4, launch_pdl=True).asm["ptx"]
@@ -341,13 +388,15 @@ def _small_config(kind):
     return transformers.LlamaConfig(**common, attention_bias=True, mlp_bias=True)
 
 
-@pytest.mark.parametrize("merge,fused_mlp,splitk_oproj", [(False, False, False), (True, False, False),
-                                                         (False, True, False), (False, False, True),
-                                                         (False, True, True)],
+@pytest.mark.parametrize("merge,fused_mlp,splitk_oproj,split_gemv",
+                         [(False, False, False, False), (True, False, False, False),
+                          (False, True, False, False), (False, False, True, False),
+                          (False, True, True, False), (False, False, False, True),
+                          (True, False, False, True)],
                          ids=["reduce-kernel", "merge-in-o_proj", "one-kernel-mlp", "split-k-o_proj",
-                              "split-k-o_proj-and-mlp"])
+                              "split-k-o_proj-and-mlp", "split-k-gemv", "split-k-gemv-merge-in-o_proj"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama-bias"])
-def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_mlp, splitk_oproj):
+def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_mlp, splitk_oproj, split_gemv):
     """The one-token forward as the decode graph runs it: captured in a CUDA graph (on CUDA),
     every kernel launched with PDL where the GPU has it, the rope epilogue on, a context long
     enough that the decode attention splits (and its reduce kernel runs). Each replay gets
@@ -355,7 +404,9 @@ def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_ml
     inputs: hidden state and both caches. one-kernel-mlp: each MLP is decode_mlp's kernel,
     whose accumulators each forward zeroes for the next one (replays 2 and 3 fail if not);
     split-k-o_proj: attention's splits merged and projected by decode_oproj's kernel (its own
-    accumulator ring), alone and feeding the one-kernel MLP."""
+    accumulator ring), alone and feeding the one-kernel MLP; split-k-gemv: o_proj and down
+    through decode_gemv's split-K tiles, each layer adding into its ring accumulator, which
+    the next layer's projection zeroes (replays 2 and 3 fail if not)."""
     from backend_lib.layers import decode_mlp, decode_oproj
     from backend_lib.layers.attention import AttentionMetadata
     from backend_lib.layers.rotary import RotaryEmbedding
@@ -421,7 +472,15 @@ def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_ml
         out = model(ids, pos, ref_caches, meta)
         return out, ref_caches
 
-    gemv = dg.DecodeGemv(pdl=dg.pdl_supported(torch.device(DEVICE)), rope=True, merge_attention=merge)
+    gemv = dg.DecodeGemv(pdl=dg.pdl_supported(torch.device(DEVICE)), rope=True, merge_attention=merge,
+                         num_layers=len(model.layers))
+    if split_gemv:
+        split = dg.GemvConfig(16, 1024, 4, 3) if cuda else dg.GemvConfig(16, 32, 1, 3)
+        layer0 = model.layers[0]
+        for p, proj in ((dg.PLAIN, layer0.self_attn.o_proj), (dg.SILU_MUL, layer0.mlp.down_proj)):
+            gemv.configs[dg.shape_key(p, proj.weight, proj.bias, False)] = split
+        gemv.make_rings(DEVICE)
+        assert len(gemv.rings) == 2
     runs = []
     if cuda:
         fresh_inputs()
@@ -431,7 +490,7 @@ def test_one_token_graph_with_pdl_matches_the_batched_path(kind, merge, fused_ml
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = model(ids, pos, caches, meta)
-    for _ in range(3 if cuda else 1 + (fused_mlp or splitk_oproj)):
+    for _ in range(3 if cuda else 1 + (fused_mlp or splitk_oproj or split_gemv)):
         fresh_inputs()
         ref, ref_caches = reference()
         model.one_token_gemv, model.one_token_mlp, model.one_token_oproj = gemv, mlp_table, oproj_table
