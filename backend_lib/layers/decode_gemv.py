@@ -66,13 +66,18 @@ class GemvConfig:
 DEFAULT_CONFIG = GemvConfig(8, 1024, 4)
 # What start-up tuning tries (few: each compiles once per prologue, then Triton's disk cache).
 CANDIDATES = (GemvConfig(4, 1024, 4), GemvConfig(8, 1024, 4), GemvConfig(8, 512, 4),
-              GemvConfig(16, 512, 4), GemvConfig(16, 1024, 8), GemvConfig(32, 256, 4))
+              GemvConfig(16, 512, 4), GemvConfig(16, 1024, 8), GemvConfig(32, 256, 4),
+              GemvConfig(16, 256, 4), GemvConfig(32, 128, 4), GemvConfig(32, 256, 8))
 # ... and where the output may be an fp32 accumulator (SPLIT_K_PROLOGUES, no rope epilogue).
 SPLIT_K_CANDIDATES = (GemvConfig(8, 1024, 4, 2), GemvConfig(8, 512, 4, 4), GemvConfig(8, 256, 4, 8),
-                      GemvConfig(16, 512, 4, 2), GemvConfig(16, 512, 4, 4), GemvConfig(4, 512, 4, 4))
+                      GemvConfig(16, 512, 4, 2), GemvConfig(16, 512, 4, 4), GemvConfig(4, 512, 4, 4),
+                      GemvConfig(4, 256, 4, 8), GemvConfig(16, 256, 8, 8))
 SPLIT_K_PROLOGUES = (0, 3)   # PLAIN, SILU_MUL: o_proj and down, read by an add + norm prologue
 # A split's K slice starts on a multiple of this many elements (16-byte aligned weight loads).
 _SPLIT_ALIGN = 64
+# The norm prologues read the row for its sum of squares in chunks of up to this many values:
+# one L2 round trip for hidden sizes up to 4096 instead of one per BLOCK_K.
+_NORM_BLOCK_MAX = 4096
 
 
 if HAS_TRITON:
@@ -160,6 +165,39 @@ if HAS_TRITON:
             tl.store(VC + cp + HALF, ob.to(VC.dtype.element_ty), mask=is_v)
 
     @triton.jit
+    def _chunk_inputs(X, R, LNW, PART_M, PART_L, offs, mask, k0, ran, num_splits, K,
+                      PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr,
+                      BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+        """What chunk [k0, k0 + BLOCK_K) of x is made from, loaded (fp32): (stream, ln weight)
+        for the norms, (gate, up) for SILU_MUL, (x, x) otherwise. Loaded a chunk ahead of its
+        use, with the next weight tile, so no L2 round trip sits between two tiles."""
+        if (PROLOGUE == _K_RMSNORM) or (PROLOGUE == _K_ADD_RMSNORM):
+            a = _stream_chunk(X, R, offs, mask, HAS_RES, DT)
+            b = tl.load(LNW + offs, mask=mask, other=0.0).to(tl.float32)
+        elif PROLOGUE == _K_SILU_MUL:
+            a = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(X + K + offs, mask=mask, other=0.0).to(tl.float32)
+        elif PROLOGUE == _K_MERGE_SPLITS:
+            a = _merged_attention_chunk(X, PART_M, PART_L, k0, ran, num_splits, K, BLOCK_K, HEAD_DIM,
+                                        SPLIT_CHUNK, DT)
+            b = a
+        else:
+            a = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            b = a
+        return a, b
+
+    @triton.jit
+    def _chunk_x(a, b, rstd, PROLOGUE: tl.constexpr, DT: tl.constexpr):
+        """x's chunk from _chunk_inputs' pair, rounded where the unfused ops round."""
+        if (PROLOGUE == _K_RMSNORM) or (PROLOGUE == _K_ADD_RMSNORM):
+            x = ((a * rstd).to(DT).to(tl.float32) * b).to(DT).to(tl.float32)
+        elif PROLOGUE == _K_SILU_MUL:
+            x = ((a / (1.0 + tl.exp(-a))).to(DT).to(tl.float32) * b).to(DT).to(tl.float32)
+        else:
+            x = a
+        return x
+
+    @triton.jit
     def _gemv_kernel(X, R, LNW, W, B, Y, ROUT, N, K, eps, stride_wn,
                      COS, SIN, POS, KC, VC, SLOT, stride_cos,
                      PART_M, PART_L, ATTN_SL, num_splits, ZERO, k_per_split,
@@ -168,7 +206,7 @@ if HAS_TRITON:
                      HQ: tl.constexpr = 0, HKV: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2,
                      HALF: tl.constexpr = 1, EARLY_RELEASE: tl.constexpr = True,
                      ATTN_BLOCK_N: tl.constexpr = 64, SPLIT_CHUNK: tl.constexpr = 8,
-                     SPLIT_K: tl.constexpr = False):
+                     SPLIT_K: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16):
         pid = tl.program_id(0)
         # SPLIT_K: this program's K slice [k_lo, k_hi) (k_per_split is K without a split);
         # Y is an fp32 accumulator the slices add into, ZERO the ring's buffer to clear.
@@ -198,10 +236,11 @@ if HAS_TRITON:
         HAS_RES: tl.constexpr = PROLOGUE == _K_ADD_RMSNORM
         NORM: tl.constexpr = (PROLOGUE == _K_RMSNORM) or (PROLOGUE == _K_ADD_RMSNORM)
         rstd = 0.0
-        if NORM:
-            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs = k0 + offs_kb
+        if NORM:  # the whole row in as few loads as registers allow (NORM_BLOCK: K up to 4096)
+            offs_nb = tl.arange(0, NORM_BLOCK)
+            ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, NORM_BLOCK):
+                offs = k0 + offs_nb
                 mask = offs < K
                 s = _stream_chunk(X, R, offs, mask, HAS_RES, DT)
                 if HAS_RES:
@@ -214,26 +253,16 @@ if HAS_TRITON:
             ran = tl.minimum(num_splits, tl.cdiv(tl.load(ATTN_SL), ATTN_BLOCK_N))
 
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        in_a, in_b = _chunk_inputs(X, R, LNW, PART_M, PART_L, k_lo + offs_kb, k_lo + offs_kb < k_hi, k_lo,
+                                   ran, num_splits, K, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w = w_next
-            offs = k0 + offs_kb
-            mask = offs < k_hi
-            nxt = offs + BLOCK_K
-            w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_hi)[None, :],
-                             other=0.0)
-            if NORM:
-                s = _stream_chunk(X, R, offs, mask, HAS_RES, DT)
-                ln = tl.load(LNW + offs, mask=mask, other=0.0).to(tl.float32)
-                x = ((s * rstd).to(DT).to(tl.float32) * ln).to(DT).to(tl.float32)
-            elif PROLOGUE == _K_SILU_MUL:
-                g = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-                u = tl.load(X + K + offs, mask=mask, other=0.0).to(tl.float32)
-                x = ((g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u).to(DT).to(tl.float32)
-            elif PROLOGUE == _K_MERGE_SPLITS:
-                x = _merged_attention_chunk(X, PART_M, PART_L, k0, ran, num_splits, K, BLOCK_K, HEAD_DIM,
-                                            SPLIT_CHUNK, DT)
-            else:
-                x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            x = _chunk_x(in_a, in_b, rstd, PROLOGUE, DT)
+            nxt = k0 + BLOCK_K + offs_kb
+            nxt_mask = nxt < k_hi
+            w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & nxt_mask[None, :], other=0.0)
+            in_a, in_b = _chunk_inputs(X, R, LNW, PART_M, PART_L, nxt, nxt_mask, k0 + BLOCK_K, ran,
+                                       num_splits, K, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             if pid_k == 0:
@@ -335,13 +364,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     if prologue == ADD_RMSNORM:
         new_res = torch.empty_like(residual) if residual_out is None else residual_out
     k_per_split = -(-k // cfg.split_k // _SPLIT_ALIGN) * _SPLIT_ALIGN if split else k
+    norm_block = min(triton.next_power_of_2(k), _NORM_BLOCK_MAX) if prologue in (RMSNORM, ADD_RMSNORM) else 16
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
         w, b if b is not None else w, y, new_res if new_res is not None else y,
         n, k, eps, w.stride(0), *rope_args, x, x, x, 0, zero if split else x, k_per_split,
         PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, SPLIT_K=split,
-        **rope_meta, **pdl_launch(pdl))
+        NORM_BLOCK=norm_block, **rope_meta, **pdl_launch(pdl))
     return y, new_res
 
 
