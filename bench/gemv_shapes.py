@@ -19,9 +19,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from backend_lib.layers.decode_gemv import ADD_RMSNORM, PLAIN, RMSNORM, SILU_MUL  # noqa: E402
 from scripts import load_make_model  # noqa: E402
 
-PROLOGUE_NAMES = {0: "plain", 1: "rmsnorm", 2: "add+rmsnorm", 3: "silu*mul"}
+PROLOGUE_NAMES = {PLAIN: "plain", RMSNORM: "rmsnorm", ADD_RMSNORM: "add+rmsnorm", SILU_MUL: "silu*mul"}
 
 
 def projections(preset: str) -> list[tuple[str, int, int, int, bool, bool]]:
@@ -32,10 +33,10 @@ def projections(preset: str) -> list[tuple[str, int, int, int, bool, bool]]:
     d = cfg.get("head_dim") or h // hq
     qkv_bias = cfg["model_type"] == "qwen2" or cfg.get("attention_bias", False)
     mlp_bias = cfg.get("mlp_bias", False)
-    return [("qkv", 2, (hq + 2 * hkv) * d, h, qkv_bias, True),
-            ("o_proj", 0, h, hq * d, cfg.get("attention_bias", False) and cfg["model_type"] != "qwen2", False),
-            ("gate_up", 2, 2 * inter, h, mlp_bias, False),
-            ("down", 3, h, inter, mlp_bias, False)]
+    return [("qkv", ADD_RMSNORM, (hq + 2 * hkv) * d, h, qkv_bias, True),
+            ("o_proj", PLAIN, h, hq * d, cfg.get("attention_bias", False) and cfg["model_type"] != "qwen2", False),
+            ("gate_up", ADD_RMSNORM, 2 * inter, h, mlp_bias, False),
+            ("down", SILU_MUL, h, inter, mlp_bias, False)]
 
 
 def rows_for(name: str, n: int, k: int, prologue: int, times: dict, chosen, elem_bytes: int,

@@ -30,10 +30,6 @@ class AccumulatorRing:
             raise ValueError(f"the accumulator ring needs 2 layers or more (got {num_layers})")
         return cls(torch.zeros(num_layers, 1, hidden, dtype=torch.float32, device=device))
 
-    @property
-    def num_layers(self) -> int:
-        return self.buffers.shape[0]
-
     def for_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer i's accumulator, the one layer i zeroes)."""
         return self.buffers[i], self.buffers[i - 1]   # i = 0: index -1, the last layer's

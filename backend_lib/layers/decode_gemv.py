@@ -72,7 +72,7 @@ CANDIDATES = (GemvConfig(4, 1024, 4), GemvConfig(8, 1024, 4), GemvConfig(8, 512,
 SPLIT_K_CANDIDATES = (GemvConfig(8, 1024, 4, 2), GemvConfig(8, 512, 4, 4), GemvConfig(8, 256, 4, 8),
                       GemvConfig(16, 512, 4, 2), GemvConfig(16, 512, 4, 4), GemvConfig(4, 512, 4, 4),
                       GemvConfig(4, 256, 4, 8), GemvConfig(16, 256, 8, 8))
-SPLIT_K_PROLOGUES = (0, 3)   # PLAIN, SILU_MUL: o_proj and down, read by an add + norm prologue
+SPLIT_K_PROLOGUES = (PLAIN, SILU_MUL)   # o_proj and down, read by an add + norm prologue
 # A split's K slice starts on a multiple of this many elements (16-byte aligned weight loads).
 _SPLIT_ALIGN = 64
 # The norm prologues read the row for its sum of squares in chunks of up to this many values:

@@ -12,7 +12,7 @@ the output added with fp32 atomics into an accumulator [1, N]. Its reader, the M
 norm prologue (decode_mlp's kernel, or decode_gemv's ADD_RMSNORM), rounds it to the model dtype
 where the unfused o_proj would have rounded its store. The accumulators form the same ring as
 decode_mlp's (one per layer, layer i's kernel zeroes layer i - 1's, layer 0's the last
-layer's: decode_mlp.AccumulatorRing), so each is zeroed after its reader and before its writer.
+layer's: accumulator_ring.AccumulatorRing), so each is zeroed after its reader and before its writer.
 The sum's order varies between runs (atomics); the merged attention rounds as the reduce
 kernel's store rounds.
 """
@@ -113,7 +113,7 @@ class DecodeOproj:
     decode_gemv's projection measured faster, and run), timed at start-up, and the ring of
     per-layer accumulators."""
     pdl: bool
-    ring: object            # decode_mlp.AccumulatorRing
+    ring: object            # accumulator_ring.AccumulatorRing
     cfg: Optional[OprojConfig] = DEFAULT_CONFIG
     timings: Optional[dict] = None
 
@@ -133,7 +133,8 @@ class DecodeOproj:
         states of 16 splits (5 of them ran: a 300-token context)."""
         from .skinny_gemm import time_candidates, weight_copies
         from .triton_attention import DecodePartials, merge_decode_partials
-        from .decode_mlp import AccumulatorRing, _Proj
+        from .accumulator_ring import AccumulatorRing
+        from .decode_mlp import _Proj
         w, b = o_proj.weight, o_proj.bias
         dev, splits = w.device, 16
         parts = DecodePartials(
@@ -174,7 +175,7 @@ def install(model, gemv_table, mode: str) -> Optional[DecodeOproj]:
     reduce kernel + gemv), "splitk-force" (untimed: tests); anything else: None."""
     if mode not in ("splitk", "splitk-force") or gemv_table is None or not HAS_TRITON or len(model.layers) < 2:
         return None
-    from .decode_mlp import AccumulatorRing
+    from .accumulator_ring import AccumulatorRing
     from .triton_support import pdl_supported
     s = model.shape
     o_proj = model.layers[0].self_attn.o_proj
