@@ -38,17 +38,20 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, pdl: bool = False,
-                    partials: bool = False):
+                    partials: bool = False, newest_kv: Optional[tuple] = None):
     """pdl: the decode kernels launch with programmatic dependent launch (one-token forwards).
     partials: one decode row on the Triton path returns its splits' unmerged states
-    (triton_attention.DecodePartials, for the consumer to merge); anything else the output."""
+    (triton_attention.DecodePartials, for the consumer to merge); anything else the output.
+    newest_kv: decode rows' (k, v) of this step, also in the cache: the decode kernels read
+    them from here and load the cache before their PDL wait (triton_attention)."""
     if q.is_cuda or (partials and INTERPRET):
         from . import triton_attention as ta
         if partials and meta.is_decode and q.shape[0] == 1 and q.shape[-1] & (q.shape[-1] - 1) == 0:
-            return ta.paged_decode_partials(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, pdl=pdl)
+            return ta.paged_decode_partials(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, pdl=pdl,
+                                            newest_kv=newest_kv)
         if meta.is_decode:
             return ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                             pdl=pdl)
+                                             pdl=pdl, newest_kv=newest_kv)
         return ta.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                           meta.block_tables, scale, meta.max_q_len)
     if meta.is_decode and len(meta.seq_lens_host) > 1:

@@ -12,7 +12,11 @@ the tail) whatever their bytes. Two things cut that fixed cost:
     waits (``griddepcontrol.wait``) until the previous kernel's writes are visible, and only
     then reads activations. Each kernel also lets the next one launch as soon as it starts.
     Every kernel of the chain waits before it finishes, so "previous kernel complete" implies
-    everything before it is complete too.
+    everything before it is complete too. The step's metadata (positions, KV slots, seq_lens,
+    block tables) is written before the chain's first kernel starts: the decode prep kernel and
+    the embedding gather before it are plain launches, which start only once everything before
+    them is done. So chain kernels read it before their wait too (the rotation's tables here,
+    the attention's tiles of earlier tokens in triton_attention).
 
 y[N] = prologue(x) @ W[N, K]^T (+ b) for one row, fp32 accumulation, in x's dtype. Prologues:
   PLAIN         x as given
@@ -130,30 +134,39 @@ if HAS_TRITON:
         return tl.reshape(o.to(DT).to(tl.float32), [BLOCK_K])
 
     @triton.jit
-    def _rope_kv_epilogue(y, pid, Y, COS, SIN, POS, KC, VC, SLOT, stride_cos, N,
+    def _rope_tables(pid, COS, SIN, POS, SLOT, stride_cos, DT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HALF: tl.constexpr):
+        """The rotation's cos/sin for this program's column pairs at the token's position, and
+        its KV slot. Position and slot are written before the forward's first PDL kernel, so
+        these load before the wait, while the previous kernel runs."""
+        j = (pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)) % HALF
+        pos = tl.load(POS).to(tl.int64)
+        c1 = tl.load(COS + pos * stride_cos + j).to(DT).to(tl.float32)
+        c2 = tl.load(COS + pos * stride_cos + HALF + j).to(DT).to(tl.float32)
+        s1 = tl.load(SIN + pos * stride_cos + j).to(DT).to(tl.float32)
+        s2 = tl.load(SIN + pos * stride_cos + HALF + j).to(DT).to(tl.float32)
+        return c1, c2, s1, s2, tl.load(SLOT).to(tl.int64)
+
+    @triton.jit
+    def _rope_kv_epilogue(y, pid, Y, KC, VC, c1, c2, s1, s2, slot, N,
                           DT: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr,
                           HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
         """y: this program's outputs (fp32, rounded to DT), pairs (j, j + HALF) of a head
-        interleaved. Rotates q and k heads (neox rotate_half, as fused_ops' rope kernel
-        rounds), stores q/k/v into Y and the rotated k and v into the paged cache."""
+        interleaved; c1..slot: _rope_tables'. Rotates q and k heads (neox rotate_half, as
+        fused_ops' rope kernel rounds), stores q/k/v into Y and the rotated k and v into the
+        paged cache."""
         BH: tl.constexpr = BLOCK_N // 2
         xa, xb = tl.split(tl.reshape(y, [BH, 2]))
         f = pid * BH + tl.arange(0, BH)              # index among the heads' first halves
         f_mask = f < N // 2
         head = f // HALF
         j = f % HALF
-        pos = tl.load(POS).to(tl.int64)
-        c1 = tl.load(COS + pos * stride_cos + j).to(DT).to(tl.float32)
-        c2 = tl.load(COS + pos * stride_cos + HALF + j).to(DT).to(tl.float32)
-        s1 = tl.load(SIN + pos * stride_cos + j).to(DT).to(tl.float32)
-        s2 = tl.load(SIN + pos * stride_cos + HALF + j).to(DT).to(tl.float32)
         rotate = head < HQ + HKV
         oa = tl.where(rotate, xa * c1 - xb * s1, xa).to(DT)
         ob = tl.where(rotate, xb * c2 + xa * s2, xb).to(DT)
         col = head * HEAD_DIM + j
         tl.store(Y + col, oa, mask=f_mask)
         tl.store(Y + col + HALF, ob, mask=f_mask)
-        slot = tl.load(SLOT).to(tl.int64)
         if slot >= 0:
             is_k = f_mask & (head >= HQ) & (head < HQ + HKV)
             is_v = f_mask & (head >= HQ + HKV)
@@ -228,6 +241,8 @@ if HAS_TRITON:
         # The first weight tile does not depend on earlier kernels: in flight before the wait.
         w_next = tl.load(w_rows + (k_lo + offs_kb)[None, :],
                          mask=n_mask[:, None] & (k_lo + offs_kb < k_hi)[None, :], other=0.0)
+        if ROPE:
+            c1, c2, s1, s2, slot = _rope_tables(pid, COS, SIN, POS, SLOT, stride_cos, DT, BLOCK_N, HALF)
         if USE_PDL:
             if EARLY_RELEASE:
                 pdl_release_dependents()
@@ -235,6 +250,12 @@ if HAS_TRITON:
 
         HAS_RES: tl.constexpr = PROLOGUE == _K_ADD_RMSNORM
         NORM: tl.constexpr = (PROLOGUE == _K_RMSNORM) or (PROLOGUE == _K_ADD_RMSNORM)
+        ran = 0
+        if PROLOGUE == _K_MERGE_SPLITS:  # the splits that had a KV tile (seq_len 0: none, zeros)
+            ran = tl.minimum(num_splits, tl.cdiv(tl.load(ATTN_SL), ATTN_BLOCK_N))
+        # The first chunk's inputs load with the norm's row (one L2 round trip, not two).
+        in_a, in_b = _chunk_inputs(X, R, LNW, PART_M, PART_L, k_lo + offs_kb, k_lo + offs_kb < k_hi, k_lo,
+                                   ran, num_splits, K, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
         rstd = 0.0
         if NORM:  # the whole row in as few loads as registers allow (NORM_BLOCK: K up to 4096)
             offs_nb = tl.arange(0, NORM_BLOCK)
@@ -248,13 +269,8 @@ if HAS_TRITON:
                         tl.store(ROUT + offs, s.to(ROUT.dtype.element_ty), mask=mask)
                 ss += s * s
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        ran = 0
-        if PROLOGUE == _K_MERGE_SPLITS:  # the splits that had a KV tile (seq_len 0: none, zeros)
-            ran = tl.minimum(num_splits, tl.cdiv(tl.load(ATTN_SL), ATTN_BLOCK_N))
 
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        in_a, in_b = _chunk_inputs(X, R, LNW, PART_M, PART_L, k_lo + offs_kb, k_lo + offs_kb < k_hi, k_lo,
-                                   ran, num_splits, K, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w = w_next
             x = _chunk_x(in_a, in_b, rstd, PROLOGUE, DT)
@@ -272,8 +288,8 @@ if HAS_TRITON:
                 tl.store(ZERO + offs_n, tl.zeros([BLOCK_N], tl.float32), mask=n_mask)
             tl.atomic_add(Y + offs_n, acc, mask=n_mask, sem="relaxed")
         elif ROPE:
-            _rope_kv_epilogue(acc.to(DT).to(tl.float32), pid, Y, COS, SIN, POS, KC, VC, SLOT,
-                              stride_cos, N, DT, BLOCK_N, HQ, HKV, HEAD_DIM, HALF)
+            _rope_kv_epilogue(acc.to(DT).to(tl.float32), pid, Y, KC, VC, c1, c2, s1, s2, slot, N,
+                              DT, BLOCK_N, HQ, HKV, HEAD_DIM, HALF)
         else:
             tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
 
@@ -531,9 +547,9 @@ class DecodeGemv:
     def unfused(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
                 rope: Optional[RopeKV] = None):
         """What `run` computes, as the batched path does it: the op's kernel, the projection
-        (proj: an nn.Linear, or any callable(x)), then rope + the cache write. One difference
-        nothing reads: y's k columns stay unrotated here (the fused epilogue stores them
-        rotated); attention reads k from the cache, which both write rotated."""
+        (proj: an nn.Linear, or any callable(x)), then rope + the cache write. y's k columns
+        end rotated, as the fused epilogue leaves them: attention reads this step's k from y
+        (triton_attention's newest_kv)."""
         from . import fused_ops
         new_res = None
         if prologue == RMSNORM:
@@ -549,8 +565,13 @@ class DecodeGemv:
             q = fused_ops.rope_and_write_kv(q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d),
                                             rope.cos, rope.sin, rope.positions, rope.k_cache,
                                             rope.v_cache, rope.slot_mapping, pdl=self.pdl)
+            slots = rope.k_cache.shape[0] * rope.k_cache.shape[1]  # a padding row's slot -1: unread
+            k_rot = rope.k_cache.view(slots, hkv, d)[rope.slot_mapping.clamp(min=0)].reshape(k.shape).to(y.dtype)
             if q.data_ptr() != y.data_ptr():  # the torch reference rotates out of place
-                y = torch.cat([q.reshape(1, -1), k, v], dim=-1)
+                y = torch.cat([q.reshape(1, -1), k_rot, v], dim=-1)
+            else:
+                with torch.no_grad():
+                    y.narrow(-1, hq * d, hkv * d).copy_(k_rot)
         return y, new_res
 
     def tune(self, cases: list[tuple]) -> None:

@@ -76,14 +76,41 @@ _LOG2E = 1.4426950408889634
 if HAS_TRITON:
 
     @triton.jit
+    def _kv_tile(bt_row, k_base, v_base, tok, mask, stride_kb, stride_kt, stride_vb, stride_vt, offs_d, d_mask,
+                 PAGE: tl.constexpr):
+        """K and V of tokens `tok` (one KV tile) of one kv head, through the block table."""
+        page = tl.load(bt_row + tok // PAGE, mask=mask, other=0).to(tl.int64)
+        slot = (tok % PAGE).to(tl.int64)
+        kv_mask = mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _attend_tile(q, k, v, tok, seq_len, m_i, l_i, acc, scale_log2e, DOT_PREC: tl.constexpr):
+        """One KV tile folded into the online softmax state (m_i, l_i, acc) of a GQA group."""
+        n_mask = tok < seq_len
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _paged_decode_kernel(
-        Q, K, V, BT, SL, O, PART_ACC, PART_M, PART_L, COUNTERS,
+        Q, K, V, BT, SL, O, PART_ACC, PART_M, PART_L, COUNTERS, KN, VN,
         scale_log2e,
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
         stride_btb,
         stride_ob, stride_oh,
+        stride_knb, stride_knh, stride_vnb, stride_vnh,
         num_splits,                 # runtime: programs per (seq, kv head) on axis 2
         G: tl.constexpr,            # q heads per kv head
         GP: tl.constexpr,           # G padded (power of 2, >= 16 for tl.dot)
@@ -98,14 +125,16 @@ if HAS_TRITON:
         SP: tl.constexpr = 2,       # FUSED_REDUCE: num_splits padded to a power of 2
         GM: tl.constexpr = 1,       # FUSED_REDUCE: G padded to a power of 2 (the merge's head rows)
         MERGE_CHUNK: tl.constexpr = 8,  # FUSED_REDUCE: splits' partial outputs loaded at once
+        NEWEST_KV: tl.constexpr = False,  # each row's newest K/V come from KN/VN, not the cache
     ):
-        if USE_PDL:
-            pdl_release_dependents()
-            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
+        if USE_PDL:
+            pdl_release_dependents()
 
+        # seq_lens and block tables are written before the forward's first PDL kernel
+        # (layers/decode_gemv.py, the chain): read while the previous kernel still runs.
         seq_len = tl.load(SL + b)
         n_tiles = tl.cdiv(seq_len, BLOCK_N)
 
@@ -115,6 +144,18 @@ if HAS_TRITON:
         g_mask = offs_g < G
         d_mask = offs_d < D
         heads = kvh * G + offs_g
+
+        bt_row = BT + b.to(tl.int64) * stride_btb
+        k_base = K + kvh.to(tl.int64) * stride_kh
+        v_base = V + kvh.to(tl.int64) * stride_vh
+        first_tok = sp * BLOCK_N + offs_n
+        if NEWEST_KV:
+            # Every cached token but the newest was written by earlier steps: this split's
+            # first tile is in flight before the wait; the newest comes from KN/VN after it.
+            k_first, v_first = _kv_tile(bt_row, k_base, v_base, first_tok, first_tok < seq_len - 1, stride_kb,
+                                        stride_kt, stride_vb, stride_vt, offs_d, d_mask, PAGE)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
 
         if SPLIT:
             if sp >= n_tiles:
@@ -133,29 +174,32 @@ if HAS_TRITON:
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
 
-        bt_row = BT + b.to(tl.int64) * stride_btb
-        k_base = K + kvh.to(tl.int64) * stride_kh
-        v_base = V + kvh.to(tl.int64) * stride_vh
-
         # Tiles sp, sp + num_splits, ... (round-robin: balanced for any seq_len).
-        for tile in range(sp, n_tiles, num_splits):
+        next_tile = sp
+        newest = seq_len - 1
+        if NEWEST_KV:
+            k_new = tl.load(KN + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=d_mask,
+                            other=0.0).to(K.dtype.element_ty)
+            v_new = tl.load(VN + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=d_mask,
+                            other=0.0).to(V.dtype.element_ty)
+            if sp < n_tiles:
+                is_new = (first_tok == newest)[:, None]
+                m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new[None, :], k_first),
+                                             tl.where(is_new, v_new[None, :], v_first), first_tok, seq_len,
+                                             m_i, l_i, acc, scale_log2e, DOT_PREC)
+            next_tile = sp + num_splits
+        for tile in range(next_tile, n_tiles, num_splits):
             tok = tile * BLOCK_N + offs_n
-            n_mask = tok < seq_len
-            page = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
-            slot = (tok % PAGE).to(tl.int64)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_base + page[:, None] * stride_kb + slot[:, None] * stride_kt
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
-            qk = tl.where(n_mask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + page[:, None] * stride_vb + slot[:, None] * stride_vt
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            if NEWEST_KV:
+                k, v = _kv_tile(bt_row, k_base, v_base, tok, tok < newest, stride_kb, stride_kt, stride_vb,
+                                stride_vt, offs_d, d_mask, PAGE)
+                is_new = (tok == newest)[:, None]
+                k = tl.where(is_new, k_new[None, :], k)
+                v = tl.where(is_new, v_new[None, :], v)
+            else:
+                k, v = _kv_tile(bt_row, k_base, v_base, tok, tok < seq_len, stride_kb, stride_kt, stride_vb,
+                                stride_vt, offs_d, d_mask, PAGE)
+            m_i, l_i, acc = _attend_tile(q, k, v, tok, seq_len, m_i, l_i, acc, scale_log2e, DOT_PREC)
 
         out_mask = g_mask[:, None] & d_mask[None, :]
         if not SPLIT:
@@ -194,12 +238,14 @@ if HAS_TRITON:
         SP: tl.constexpr,           # num_splits padded to power of 2
         USE_PDL: tl.constexpr = False,
     ):
-        if USE_PDL:
-            pdl_release_dependents()
-            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
+        if USE_PDL:
+            pdl_release_dependents()
+        # seq_lens: written before the forward's first PDL kernel, read before the wait
         ran = tl.minimum(num_splits, tl.cdiv(tl.load(SL + b), BLOCK_N))   # only splits that ran
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
         _merge_splits(PART_ACC, PART_M, PART_L, O, b, h, HQ, num_splits, ran, stride_ob, stride_oh,
                       D, DP, SP, "")
 
@@ -495,27 +541,40 @@ def _launch_reduce(part_acc, part_m, part_l, seq_lens, out, num_heads: int, num_
     )
 
 
+def _check_newest_kv(newest_kv, q, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """newest_kv's (k, v), each [B, Hkv, D] with a contiguous last dim, or a ValueError naming it."""
+    k, v = newest_kv
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != (q.shape[0], hkv, d) or t.stride(-1) != 1:
+            raise ValueError(f"newest_kv {name}: must be [batch {q.shape[0]}, num_kv_heads {hkv}, head_dim {d}] "
+                             f"with a contiguous last dim; got {tuple(t.shape)} strides {tuple(t.stride())}")
+    return k, v
+
+
 def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
                    counters: Optional[torch.Tensor], scale: float, num_splits: int, block_n: int, *,
-                   checked: tuple, split: bool, pdl: bool, num_warps: int, num_stages: int) -> None:
+                   checked: tuple, split: bool, pdl: bool, num_warps: int, num_stages: int,
+                   newest_kv: Optional[tuple] = None) -> None:
     """One launch of the split decode kernel over (rows, kv heads, splits). checked:
     _check_common's result; split: store the partial states (else the output); counters: the
-    fused reduce's (None: no fused reduce)."""
+    fused reduce's (None: no fused reduce); newest_kv: paged_decode_attention's."""
     page, hkv, d, _, g = checked
+    kn, vn = _check_newest_kv(newest_kv, q, hkv, d) if newest_kv is not None else (q, q)
     _paged_decode_kernel[(q.shape[0], hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        counters if counters is not None else seq_lens,
+        counters if counters is not None else seq_lens, kn, vn,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         num_splits,
         G=g, GP=max(16, _next_pow2(g)), D=d, DP=_next_pow2(d), PAGE=page, BLOCK_N=block_n, SPLIT=split,
         DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=counters is not None,
         SP=max(2, _next_pow2(num_splits)), GM=_next_pow2(g), num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch(pdl),
+        NEWEST_KV=newest_kv is not None, **pdl_launch(pdl),
     )
 
 
@@ -534,6 +593,7 @@ def paged_decode_attention(
     num_stages: Optional[int] = None,
     pdl: bool = False,
     fused_reduce: Optional[bool] = None,
+    newest_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Single-token-per-sequence paged attention.
 
@@ -547,6 +607,9 @@ def paged_decode_attention(
     fused_reduce: with splits, the last split of each (sequence, kv head) to finish merges
     them in the same kernel (no reduce kernel; per-layer counters, see _split_counters);
     None: BACKEND_LIB_DECODE_ATTN_REDUCE (envs.decode_attn_reduce).
+    newest_kv: (k, v) [B, Hkv, D], each row's newest token's K/V (at seq_len - 1), as the
+    cache holds them once written: read from there, not from the cache, whose tiles then load
+    before the PDL wait (an earlier kernel of the step writes only that slot).
     """
     page, hkv, d, hq, g = _check_common(q, k_cache, v_cache)
     bsz = q.shape[0]
@@ -575,7 +638,7 @@ def paged_decode_attention(
 
     _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, counters, scale,
                    num_splits, block_n, checked=(page, hkv, d, hq, g), split=num_splits > 1, pdl=pdl,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, newest_kv=newest_kv)
     if num_splits > 1 and counters is None:
         _launch_reduce(part_acc, part_m, part_l, seq_lens, out, hq, num_splits, d, block_n, pdl)
     return out
@@ -599,10 +662,12 @@ class DecodePartials:
 
 
 def paged_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale: float, *,
-                          num_splits: Optional[int] = None, pdl: bool = False) -> DecodePartials:
+                          num_splits: Optional[int] = None, pdl: bool = False,
+                          newest_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> DecodePartials:
     """paged_decode_attention for one row (q [1, Hq, D], D a power of 2) that leaves the merge
     to the consumer: one kernel less per layer at batch 1, where each kernel's fixed cost is
-    most of its time. Always split (num_splits 1 included), so the consumer has one input."""
+    most of its time. Always split (num_splits 1 included), so the consumer has one input.
+    newest_kv: as paged_decode_attention's."""
     page, hkv, d, hq, g = _check_common(q, k_cache, v_cache)
     if q.dim() != 3 or q.shape[0] != 1 or block_tables.shape[0] != 1:
         raise ValueError(f"paged_decode_partials: one row (q [1, Hq, D]); got q {tuple(q.shape)}")
@@ -618,7 +683,7 @@ def paged_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale: fl
                            block_n=block_n, num_heads=hq, head_dim=d, dtype=q.dtype)
     _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, q, parts.acc, parts.m, parts.l, None, scale,
                    num_splits, block_n, checked=(page, hkv, d, hq, g), split=True, pdl=pdl, num_warps=4,
-                   num_stages=num_stages)
+                   num_stages=num_stages, newest_kv=newest_kv)
     return parts
 
 

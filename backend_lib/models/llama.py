@@ -137,7 +137,9 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, pdl=pdl, partials=partials)
+        # rotated: the epilogue left this step's rotated k and v in qkv as well as in the cache
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, pdl=pdl, partials=partials,
+                              newest_kv=(k, v) if rotated else None)
         return out if not isinstance(out, torch.Tensor) else out.reshape(-1, self.q_size)
 
 

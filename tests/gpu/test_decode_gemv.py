@@ -350,7 +350,7 @@ def test_model_one_token_forward_matches_the_batched_path(arch, mode, tiny_llama
         model._fused = lambda x: True  # the fused kernels run in the interpreter
     blocks, bs = 4, 16
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([20], device=DEVICE),
+        slot_mapping=torch.tensor([2 * bs + 4], device=DEVICE),  # token 20: block table entry 1, offset 4
         block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor([21], dtype=torch.int32, device=DEVICE),
         cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), max_q_len=1,
