@@ -147,6 +147,17 @@ def sampler_impl() -> str:
     return v
 
 
+# All-greedy steps on CUDA with the split sampler: on (layers/greedy_argmax.py, each row's
+# argmax split across ~150 chunk programs and a combine, launched with PDL, for steps of up to
+# GREEDY_ARGMAX_MAX_ROWS rows) or off (torch.argmax, which walks a row of the vocabulary with
+# one block: ~8.5 us at batch 1 on the H200, bench/RESULTS.md fourteenth session).
+GREEDY_ARGMAX_ENV = "BACKEND_LIB_GREEDY_ARGMAX"
+
+
+def greedy_argmax() -> str:
+    return _switch(GREEDY_ARGMAX_ENV)
+
+
 # Seconds the engine process may go without a message while requests are in flight before the
 # client declares it stalled (a hung kernel, a deadlock), kills it and fails those requests.
 # Steps send their outputs as they finish; a legitimately silent stretch (a long prompt's

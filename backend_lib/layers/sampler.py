@@ -157,6 +157,10 @@ def sample(logits: torch.Tensor, st: Optional[SamplingTensors], all_greedy: bool
             apply_masks_(logits, st)
     if all_greedy:
         assert clean_rows is None, "argmax reads one tensor"
+        if kernels and _split() and _greedy_argmax_split():
+            from . import greedy_argmax
+            if greedy_argmax.pays(logits):
+                return greedy_argmax.argmax_rows(logits)
         return logits.argmax(dim=-1)
     if kernels:
         from .sampling_kernels import sample_rows_kernel
@@ -171,6 +175,11 @@ def native_logits_ok(logits: torch.Tensor) -> bool:
     them, the sampler skips the float32 copy of [rows x vocab] (a full extra pass) unless a
     filter must write into the logits (penalties.upcast_apply makes that copy then)."""
     return _use_kernels(logits) and _split()
+
+
+def _greedy_argmax_split() -> bool:
+    from .. import envs
+    return envs.greedy_argmax() == "on"
 
 
 def _split() -> bool:
