@@ -59,17 +59,20 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
+        # The stream's dtype: X's, or with a residual ROUT's (X may be an fp32 accumulator of a
+        # stream in that dtype, rounded first as its unfused store would round it).
+        DT = ROUT.dtype.element_ty if HAS_RES else X.dtype.element_ty
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
             # Round the sum to the stream dtype first, exactly like `x = x + f(x)` unfused.
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(ROUT.dtype.element_ty)
+            x = (x.to(DT).to(tl.float32) + r.to(tl.float32)).to(DT)
             tl.store(ROUT + row * stride_ro + cols, x, mask=mask)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / N
         rstd = 1.0 / tl.sqrt(var + eps)
         w = tl.load(W + cols, mask=mask, other=0.0)
-        y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
+        y = (xf * rstd).to(DT).to(tl.float32) * w.to(tl.float32)
         tl.store(OUT + row * stride_o + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -214,13 +217,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """new_residual = x + residual; returns (rms_norm(new_residual), new_residual)."""
+    """new_residual = x + residual; returns (rms_norm(new_residual), new_residual). x may be
+    an fp32 accumulator of a stream in residual's dtype (the one-token path's split-K
+    projections): it rounds to that dtype first, as `x.to(residual.dtype)` would."""
     if not _use_triton(x):
-        return fused_add_rms_norm_ref(x, residual, weight, eps)
+        return fused_add_rms_norm_ref(x.to(residual.dtype), residual, weight, eps)
     x2, r2 = _rows(x), _rows(residual)
     n = x2.shape[1]
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    new_res = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(residual.dtype, weight.dtype), device=x.device)
+    new_res = torch.empty(x2.shape, dtype=residual.dtype, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, new_res, x2.stride(0), r2.stride(0),

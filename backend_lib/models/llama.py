@@ -258,11 +258,11 @@ class DecoderModel(nn.Module):
                         oproj_kernels[i] if oproj_kernels else None, index=i)
                 else:
                     x, residual = layer.forward_fused(x, residual, positions, self.rotary, kv, meta)
-            if residual is not None:
-                x = x.to(residual.dtype)  # the fused MLP's fp32 accumulator
             if not self.is_last:
-                return x if residual is None else x + residual
-            # The stream's last add fused with the final norm: one kernel.
+                # x may be an fp32 accumulator (one-token split-K projections, the fused MLP)
+                return x if residual is None else x.to(residual.dtype) + residual
+            # The stream's last add fused with the final norm: one kernel, which also rounds an
+            # fp32 accumulator x to the stream's dtype.
             if residual is None:
                 return fused_ops.rms_norm(x, self.norm.weight, self.norm.eps)
             return fused_ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]

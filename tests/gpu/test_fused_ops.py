@@ -98,6 +98,20 @@ def test_fused_add_rms_norm(dtype, rows, n):
     assert torch.equal(new_res, ref_res), f"residual differs (seed={seed})"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_add_rms_norm_rounds_an_fp32_accumulator_first(dtype):
+    """x an fp32 accumulator of a stream in residual's dtype (split-K projections): the same
+    outputs, in the stream's dtype, as x.to(dtype) first."""
+    seed = _seed()
+    x = torch.randn(1, 896, device=DEV) / 3          # fp32, not representable in dtype
+    res = (4 * torch.randn(1, 896, device=DEV)).to(dtype)
+    w = (1 + 0.5 * torch.randn(896, device=DEV)).to(dtype)
+    out, new_res = fo.fused_add_rms_norm(x, res, w, 1e-6)
+    want_out, want_res = fo.fused_add_rms_norm(x.to(dtype), res, w, 1e-6)
+    assert out.dtype == dtype and new_res.dtype == dtype, (out.dtype, new_res.dtype)
+    assert torch.equal(new_res, want_res) and torch.equal(out, want_out), f"seed={seed}"
+
+
 # ------------------------------------------------------------------------------ silu*mul
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 4864), (6, 1000), (3, 64), (2, 2048)])
