@@ -43,6 +43,7 @@ the decode step runs them.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -76,7 +77,7 @@ CANDIDATES = (GemvConfig(4, 1024, 4), GemvConfig(8, 1024, 4), GemvConfig(8, 512,
 SPLIT_K_CANDIDATES = (GemvConfig(8, 1024, 4, 2), GemvConfig(8, 512, 4, 4), GemvConfig(8, 256, 4, 8),
                       GemvConfig(16, 512, 4, 2), GemvConfig(16, 512, 4, 4), GemvConfig(4, 512, 4, 4),
                       GemvConfig(4, 256, 4, 8), GemvConfig(16, 256, 8, 8))
-SPLIT_K_PROLOGUES = (PLAIN, SILU_MUL)   # o_proj and down, read by an add + norm prologue
+SPLIT_K_PROLOGUES = (PLAIN, SILU_MUL, MERGE_SPLITS)   # o_proj and down, read by an add + norm prologue
 # A split's K slice starts on a multiple of this many elements (16-byte aligned weight loads).
 _SPLIT_ALIGN = 64
 # The norm prologues read the row for its sum of squares in chunks of up to this many values:
@@ -379,7 +380,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     new_res = None
     if prologue == ADD_RMSNORM:
         new_res = torch.empty_like(residual) if residual_out is None else residual_out
-    k_per_split = -(-k // cfg.split_k // _SPLIT_ALIGN) * _SPLIT_ALIGN if split else k
+    k_per_split = _k_per_split(k, cfg.split_k) if split else k
     norm_block = min(triton.next_power_of_2(k), _NORM_BLOCK_MAX) if prologue in (RMSNORM, ADD_RMSNORM) else 16
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
@@ -394,7 +395,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
 def _check_split(prologue: int, rope: Optional[RopeKV], n: int, acc: Optional[torch.Tensor],
                  zero: Optional[torch.Tensor]) -> None:
     if prologue not in SPLIT_K_PROLOGUES or rope is not None:
-        raise ValueError(f"decode_gemv: split_k > 1 needs the PLAIN or SILU_MUL prologue and no rope "
+        raise ValueError(f"decode_gemv: split_k > 1 needs the PLAIN, SILU_MUL or MERGE_SPLITS prologue and no rope "
                          f"epilogue (got prologue {prologue}, rope {rope is not None})")
     for name, t in (("out", acc), ("zero", zero)):
         if t is None or t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
@@ -404,19 +405,28 @@ def _check_split(prologue: int, rope: Optional[RopeKV], n: int, acc: Optional[to
         raise ValueError("decode_gemv: split_k > 1 needs `out` and `zero` to be different buffers")
 
 
+def _k_per_split(k: int, split_k: int, head_dim: int = 1) -> int:
+    """A split's K slice: 16-byte aligned weight loads, and whole heads where the prologue
+    merges attention heads (head_dim)."""
+    align = _SPLIT_ALIGN * head_dim // math.gcd(_SPLIT_ALIGN, head_dim)
+    return -(-k // split_k // align) * align
+
+
 def merge_supported(parts, w: torch.Tensor, cfg: GemvConfig) -> bool:
-    """The o_proj gemv can merge `parts` itself: whole heads per BLOCK_K chunk."""
+    """The o_proj gemv can merge `parts` itself: whole heads per BLOCK_K chunk (and per K
+    slice, with split_k)."""
     d = parts.head_dim
     return (HAS_TRITON and (parts.acc.is_cuda or _INTERPRET) and w.dim() == 2 and w.stride(1) == 1
             and w.dtype == parts.dtype and w.shape[1] == parts.num_heads * d and d & (d - 1) == 0
-            and cfg.block_k % d == 0 and cfg.split_k == 1)
+            and cfg.block_k % d == 0)
 
 
 def gemv_merged(parts, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
                 cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False, early_release: bool = True,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, zero: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y [1, N] = merge(parts) @ W^T (+ b): the MERGE_SPLITS prologue (parts:
-    triton_attention.DecodePartials of one row, W [N, num_heads * head_dim])."""
+    triton_attention.DecodePartials of one row, W [N, num_heads * head_dim]). cfg.split_k > 1:
+    each program merges only its K slice's heads; out and zero as gemv's."""
     if not merge_supported(parts, w, cfg):
         raise ValueError(f"decode_gemv: cannot merge {parts.num_heads} heads of {parts.head_dim} "
                          f"({parts.dtype}) into w {tuple(w.shape)} {w.dtype} with block_k {cfg.block_k} "
@@ -424,15 +434,21 @@ def gemv_merged(parts, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     if b is not None and b.dtype != w.dtype:
         raise ValueError(f"decode_gemv: bias is {b.dtype}, w is {w.dtype} (one dtype)")
     n, k = w.shape
-    y = torch.empty(1, n, dtype=w.dtype, device=w.device) if out is None else out
+    split = cfg.split_k > 1
+    if split:
+        _check_split(MERGE_SPLITS, None, n, out, zero)
+        y = out
+    else:
+        y = torch.empty(1, n, dtype=w.dtype, device=w.device) if out is None else out
     acc = parts.acc
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         acc, acc, acc, w, b if b is not None else w, y, y, n, k, 0.0, w.stride(0),
         acc, acc, acc, acc, acc, acc, 0,
-        parts.m, parts.l, parts.seq_lens, parts.num_splits, acc, k,
+        parts.m, parts.l, parts.seq_lens, parts.num_splits, zero if split else acc,
+        _k_per_split(k, cfg.split_k, parts.head_dim) if split else k,
         PROLOGUE=MERGE_SPLITS, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, HEAD_DIM=parts.head_dim,
-        ATTN_BLOCK_N=parts.block_n, **pdl_launch(pdl))
+        ATTN_BLOCK_N=parts.block_n, SPLIT_K=split, **pdl_launch(pdl))
     return y
 
 
@@ -538,9 +554,18 @@ class DecodeGemv:
         if not isinstance(attn_out, DecodePartials):
             return self.run(attn_out.contiguous(), proj, layer=layer)[0]
         w = proj.weight
-        cfg = self.configs.get(shape_key(PLAIN, w, proj.bias, False), DEFAULT_CONFIG)
+        key = shape_key(PLAIN, w, proj.bias, False)
+        cfg = self.configs.get(key, DEFAULT_CONFIG)
         if cfg is not None and merge_supported(attn_out, w, cfg):
-            return gemv_merged(attn_out, w, proj.bias, cfg=cfg, pdl=self.pdl, early_release=self.early_release)
+            out = zero = None
+            if cfg.split_k > 1:   # the tuned split of the plain o_proj, its ring
+                ring = self.rings.get(key)
+                if ring is None or layer is None:
+                    cfg = replace(cfg, split_k=1)
+                else:
+                    out, zero = ring.for_layer(layer)
+            return gemv_merged(attn_out, w, proj.bias, cfg=cfg, pdl=self.pdl, early_release=self.early_release,
+                               out=out, zero=zero)
         o = merge_decode_partials(attn_out, pdl=self.pdl)
         return self.run(o.view(1, -1), proj, layer=layer)[0]
 

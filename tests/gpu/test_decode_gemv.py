@@ -117,7 +117,7 @@ def test_split_k_rejects_what_it_cannot_split_with_the_field_named():
     x = torch.zeros(1, 16, device=DEVICE)
     cfg = dg.GemvConfig(8, 16, 1, 2)
     acc, zero = torch.zeros(1, 8, device=DEVICE), torch.zeros(1, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="PLAIN or SILU_MUL"):
+    with pytest.raises(ValueError, match="PLAIN, SILU_MUL or MERGE_SPLITS prologue"):
         dg.gemv(x, w, prologue=dg.ADD_RMSNORM, residual=x.clone(), ln_weight=torch.ones(16, device=DEVICE),
                 cfg=cfg, out=acc, zero=zero)
     with pytest.raises(ValueError, match="needs `zero`"):
@@ -558,6 +558,32 @@ def test_o_proj_merging_the_splits_equals_the_reduce_kernel_then_the_projection(
                                       atol=2e-2 if dtype != torch.float32 else 1e-5), where
                 if seq_len == 0:
                     assert torch.equal(got, (b if b is not None else torch.zeros_like(got)).reshape(1, -1)), where
+
+
+@pytest.mark.parametrize("hq,hkv,d", MERGE_HEADS)
+def test_o_proj_merge_split_over_k_adds_whole_heads_into_the_accumulator(hq, hkv, d):
+    """The merged o_proj with split_k > 1: each K slice holds whole heads (slices ragged and
+    empty included); the fp32 accumulator gets the merged projection, the ring's other buffer
+    (poisoned) is zeroed; equal to the unsplit merged gemv up to summation order."""
+    from backend_lib.layers import triton_attention as ta
+    dg = _dg()
+    seed = seed_from_env("DECODE_GEMV_TEST_SEED")
+    dtype = DTYPES[0]
+    pdl = dg.pdl_supported(torch.device(DEVICE))
+    for seq_len, bias in ((0, True), (1, False), (300, True)):
+        q, k, v, bt, sl, w, b = _merge_case(hq, hkv, d, seq_len, dtype, bias)
+        parts = ta.paged_decode_partials(q, k, v, bt, sl, d ** -0.5, num_splits=3)
+        whole = dg.gemv_merged(parts, w, b, cfg=dg.GemvConfig(8, 2 * d, 4))
+        for cfg in (dg.GemvConfig(8, d, 4, 2), dg.GemvConfig(4, 2 * d, 4, 3), dg.GemvConfig(16, d, 4, 2 * hq)):
+            acc = torch.zeros(1, w.shape[0], device=DEVICE)
+            zero = torch.full((1, w.shape[0]), POISON, device=DEVICE)
+            got = dg.gemv_merged(parts, w, b, cfg=cfg, pdl=pdl, out=acc, zero=zero)
+            where = (seed, seq_len, cfg)
+            assert got.data_ptr() == acc.data_ptr() and got.dtype == torch.float32, where
+            assert torch.all(zero == 0), where
+            assert torch.allclose(got, whole.float(), rtol=2e-2 if dtype != torch.float32 else 1e-5,
+                                  atol=2e-2 if dtype != torch.float32 else 1e-5), where
+    assert dg._k_per_split(hq * d, 3, d) % d == 0 and dg._k_per_split(896, 8, 128) == 128
 
 
 def test_o_proj_merge_rejects_what_it_cannot_merge():
