@@ -371,12 +371,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
                      rope.slot_mapping, rope.cos.stride(0))
         rope_meta = dict(ROPE=True, HQ=rope.num_heads, HKV=rope.num_kv_heads, HEAD_DIM=d,
                          HALF=d // 2)
-    split = cfg.split_k > 1
-    if split:
-        _check_split(prologue, rope, n, out, zero)
-        y = out
-    else:
-        y = torch.empty(1, n, dtype=w.dtype, device=x.device) if out is None else out
+    y, split = _output(cfg, prologue, rope, w, out, zero)
     new_res = None
     if prologue == ADD_RMSNORM:
         new_res = torch.empty_like(residual) if residual_out is None else residual_out
@@ -390,6 +385,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, SPLIT_K=split,
         NORM_BLOCK=norm_block, **rope_meta, **pdl_launch(pdl))
     return y, new_res
+
+
+def _output(cfg: GemvConfig, prologue: int, rope: Optional[RopeKV], w: torch.Tensor,
+            out: Optional[torch.Tensor], zero: Optional[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """(y, split): with split_k > 1 the caller's fp32 accumulator `out` (checked with `zero`),
+    else `out` or a new row in w's dtype."""
+    n = w.shape[0]
+    if cfg.split_k > 1:
+        _check_split(prologue, rope, n, out, zero)
+        return out, True
+    return (torch.empty(1, n, dtype=w.dtype, device=w.device) if out is None else out), False
 
 
 def _check_split(prologue: int, rope: Optional[RopeKV], n: int, acc: Optional[torch.Tensor],
@@ -434,12 +440,7 @@ def gemv_merged(parts, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     if b is not None and b.dtype != w.dtype:
         raise ValueError(f"decode_gemv: bias is {b.dtype}, w is {w.dtype} (one dtype)")
     n, k = w.shape
-    split = cfg.split_k > 1
-    if split:
-        _check_split(MERGE_SPLITS, None, n, out, zero)
-        y = out
-    else:
-        y = torch.empty(1, n, dtype=w.dtype, device=w.device) if out is None else out
+    y, split = _output(cfg, MERGE_SPLITS, None, w, out, zero)
     acc = parts.acc
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         acc, acc, acc, w, b if b is not None else w, y, y, n, k, 0.0, w.stride(0),
