@@ -13,10 +13,13 @@ the tail) whatever their bytes. Two things cut that fixed cost:
     then reads activations. Each kernel also lets the next one launch as soon as it starts.
     Every kernel of the chain waits before it finishes, so "previous kernel complete" implies
     everything before it is complete too. The step's metadata (positions, KV slots, seq_lens,
-    block tables) is written before the chain's first kernel starts: the decode prep kernel and
-    the embedding gather before it are plain launches, which start only once everything before
-    them is done. So chain kernels read it before their wait too (the rotation's tables here,
-    the attention's tiles of earlier tokens in triton_attention).
+    block tables) is complete a whole plain launch before the chain's first kernel starts: a
+    plain launch starts only once everything before it is done, and between the metadata's
+    writers (the decode prep kernel, or a later stage's table ops) and the chain sits one that
+    writes none of it (the embedding gather; on later pipeline stages a copy of the incoming
+    hidden state, DecoderModel.forward). So chain kernels read the metadata before their wait
+    too (the rotation's tables here, the attention's tiles of earlier tokens in
+    triton_attention).
 
 y[N] = prologue(x) @ W[N, K]^T (+ b) for one row, fp32 accumulation, in x's dtype. Prologues:
   PLAIN         x as given
@@ -105,9 +108,10 @@ if HAS_TRITON:
     @triton.jit
     def _merged_attention_chunk(PA, PM, PL, k0, ran, num_splits, K, BLOCK_K: tl.constexpr,
                                 D: tl.constexpr, CHUNK: tl.constexpr, DT: tl.constexpr):
-        """x[k0 : k0 + BLOCK_K] (whole heads of D) of one row's attention output, merged from
-        the `ran` splits' partial softmax states CHUNK splits at a time (online, as the splits'
-        own loops merge tiles), rounded to DT as the reduce kernel's store rounds."""
+        """x[k0 : k0 + BLOCK_K] (whole heads of D; zeros from column K on) of one row's attention
+        output, merged from the `ran` splits' partial softmax states CHUNK splits at a time
+        (online, as the splits' own loops merge tiles), rounded to DT as the reduce kernel's
+        store rounds."""
         HC: tl.constexpr = BLOCK_K // D
         heads = k0 // D + tl.arange(0, HC)
         h_mask = heads < K // D
@@ -179,12 +183,13 @@ if HAS_TRITON:
             tl.store(VC + cp + HALF, ob.to(VC.dtype.element_ty), mask=is_v)
 
     @triton.jit
-    def _chunk_inputs(X, R, LNW, PART_M, PART_L, offs, mask, k0, ran, num_splits, K,
+    def _chunk_inputs(X, R, LNW, PART_M, PART_L, offs, mask, k0, ran, num_splits, K, k_end,
                       PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr,
                       BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
         """What chunk [k0, k0 + BLOCK_K) of x is made from, loaded (fp32): (stream, ln weight)
         for the norms, (gate, up) for SILU_MUL, (x, x) otherwise. Loaded a chunk ahead of its
-        use, with the next weight tile, so no L2 round trip sits between two tiles."""
+        use, with the next weight tile, so no L2 round trip sits between two tiles. k_end: the
+        end of this program's K slice (merged heads past it are not this program's)."""
         if (PROLOGUE == _K_RMSNORM) or (PROLOGUE == _K_ADD_RMSNORM):
             a = _stream_chunk(X, R, offs, mask, HAS_RES, DT)
             b = tl.load(LNW + offs, mask=mask, other=0.0).to(tl.float32)
@@ -192,7 +197,7 @@ if HAS_TRITON:
             a = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
             b = tl.load(X + K + offs, mask=mask, other=0.0).to(tl.float32)
         elif PROLOGUE == _K_MERGE_SPLITS:
-            a = _merged_attention_chunk(X, PART_M, PART_L, k0, ran, num_splits, K, BLOCK_K, HEAD_DIM,
+            a = _merged_attention_chunk(X, PART_M, PART_L, k0, ran, num_splits, k_end, BLOCK_K, HEAD_DIM,
                                         SPLIT_CHUNK, DT)
             b = a
         else:
@@ -256,7 +261,7 @@ if HAS_TRITON:
             ran = tl.minimum(num_splits, tl.cdiv(tl.load(ATTN_SL), ATTN_BLOCK_N))
         # The first chunk's inputs load with the norm's row (one L2 round trip, not two).
         in_a, in_b = _chunk_inputs(X, R, LNW, PART_M, PART_L, k_lo + offs_kb, k_lo + offs_kb < k_hi, k_lo,
-                                   ran, num_splits, K, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
+                                   ran, num_splits, K, k_hi, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
         rstd = 0.0
         if NORM:  # the whole row in as few loads as registers allow (NORM_BLOCK: K up to 4096)
             offs_nb = tl.arange(0, NORM_BLOCK)
@@ -279,7 +284,7 @@ if HAS_TRITON:
             nxt_mask = nxt < k_hi
             w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & nxt_mask[None, :], other=0.0)
             in_a, in_b = _chunk_inputs(X, R, LNW, PART_M, PART_L, nxt, nxt_mask, k0 + BLOCK_K, ran,
-                                       num_splits, K, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
+                                       num_splits, K, k_hi, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             if pid_k == 0:
@@ -591,8 +596,9 @@ class DecodeGemv:
             q = fused_ops.rope_and_write_kv(q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d),
                                             rope.cos, rope.sin, rope.positions, rope.k_cache,
                                             rope.v_cache, rope.slot_mapping, pdl=self.pdl)
-            slots = rope.k_cache.shape[0] * rope.k_cache.shape[1]  # a padding row's slot -1: unread
-            k_rot = rope.k_cache.view(slots, hkv, d)[rope.slot_mapping.clamp(min=0)].reshape(k.shape).to(y.dtype)
+            slots = rope.k_cache.shape[0] * rope.k_cache.shape[1]
+            cached = rope.k_cache.view(slots, hkv, d)[rope.slot_mapping.clamp(min=0)].reshape(k.shape)
+            k_rot = torch.where((rope.slot_mapping >= 0)[:, None], cached.to(y.dtype), k)  # slot -1: no write
             if q.data_ptr() != y.data_ptr():  # the torch reference rotates out of place
                 y = torch.cat([q.reshape(1, -1), k_rot, v], dim=-1)
             else:

@@ -245,6 +245,10 @@ class DecoderModel(nn.Module):
         if self._fused(x):
             residual = None
             one_token = self.one_token_gemv is not None and x.shape[0] == 1
+            if one_token and not self.is_first:
+                # A plain launch between the step's metadata writers and the PDL chain, as the
+                # embedding gather is on the first stage (layers/decode_gemv.py, the chain).
+                x = x.clone()
             mlp_kernels = oproj_kernels = None
             if one_token and self.one_token_mlp is not None:
                 mlp_kernels = self.one_token_mlp.for_layers(x, self.layers)
