@@ -147,6 +147,16 @@ def sampler_impl() -> str:
     return v
 
 
+# One-token decode attention with the newest K/V from the q/k/v projection
+# (triton_attention newest_kv): on (each split's first KV tile loads before the PDL wait, while
+# the projection runs) or off (after the wait, as the other tiles).
+DECODE_KV_PREFETCH_ENV = "BACKEND_LIB_DECODE_KV_PREFETCH"
+
+
+def decode_kv_prefetch() -> str:
+    return _switch(DECODE_KV_PREFETCH_ENV)
+
+
 # All-greedy steps on CUDA with the split sampler: on (layers/greedy_argmax.py, each row's
 # argmax split across ~150 chunk programs and a combine, launched with PDL, for steps of up to
 # GREEDY_ARGMAX_MAX_ROWS rows) or off (torch.argmax, which walks a row of the vocabulary with

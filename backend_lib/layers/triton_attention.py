@@ -126,6 +126,7 @@ if HAS_TRITON:
         GM: tl.constexpr = 1,       # FUSED_REDUCE: G padded to a power of 2 (the merge's head rows)
         MERGE_CHUNK: tl.constexpr = 8,  # FUSED_REDUCE: splits' partial outputs loaded at once
         NEWEST_KV: tl.constexpr = False,  # each row's newest K/V come from KN/VN, not the cache
+        PREFETCH_KV: tl.constexpr = True,  # NEWEST_KV: the first tile loads before the PDL wait
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -149,13 +150,16 @@ if HAS_TRITON:
         k_base = K + kvh.to(tl.int64) * stride_kh
         v_base = V + kvh.to(tl.int64) * stride_vh
         first_tok = sp * BLOCK_N + offs_n
-        if NEWEST_KV:
+        if NEWEST_KV and PREFETCH_KV:
             # Every cached token but the newest was written by earlier steps: this split's
             # first tile is in flight before the wait; the newest comes from KN/VN after it.
             k_first, v_first = _kv_tile(bt_row, k_base, v_base, first_tok, first_tok < seq_len - 1, stride_kb,
                                         stride_kt, stride_vb, stride_vt, offs_d, d_mask, PAGE)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
+        if NEWEST_KV and not PREFETCH_KV:
+            k_first, v_first = _kv_tile(bt_row, k_base, v_base, first_tok, first_tok < seq_len - 1, stride_kb,
+                                        stride_kt, stride_vb, stride_vt, offs_d, d_mask, PAGE)
 
         if SPLIT:
             if sp >= n_tiles:
@@ -574,7 +578,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
         G=g, GP=max(16, _next_pow2(g)), D=d, DP=_next_pow2(d), PAGE=page, BLOCK_N=block_n, SPLIT=split,
         DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=counters is not None,
         SP=max(2, _next_pow2(num_splits)), GM=_next_pow2(g), num_warps=num_warps, num_stages=num_stages,
-        NEWEST_KV=newest_kv is not None, **pdl_launch(pdl),
+        NEWEST_KV=newest_kv is not None, PREFETCH_KV=envs.decode_kv_prefetch() == "on", **pdl_launch(pdl),
     )
 
 
