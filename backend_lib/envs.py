@@ -157,6 +157,19 @@ def decode_kv_prefetch() -> str:
     return _switch(DECODE_KV_PREFETCH_ENV)
 
 
+# The most programs per (sequence, kv head) of the split decode attention (its grid is fixed
+# by shapes: at batch 1 most splits of a short sequence have no tile and exit, yet with PDL
+# they sit resident beside the running projection until its end).
+DECODE_ATTN_MAX_SPLITS_ENV = "BACKEND_LIB_DECODE_ATTN_MAX_SPLITS"
+
+
+def decode_attn_max_splits() -> int:
+    v = os.environ.get(DECODE_ATTN_MAX_SPLITS_ENV, "64").strip() or "64"
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"{DECODE_ATTN_MAX_SPLITS_ENV}={v!r}: must be a whole number >= 1")
+    return int(v)
+
+
 # All-greedy steps on CUDA with the split sampler: on (layers/greedy_argmax.py, each row's
 # argmax split across ~150 chunk programs and a combine, launched with PDL, for steps of up to
 # GREEDY_ARGMAX_MAX_ROWS rows) or off (torch.argmax, which walks a row of the vocabulary with

@@ -515,7 +515,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     if programs >= target:
         return 1
     max_tiles = max(1, -(-max_blocks * block_size // block_n))
-    return max(1, min(-(-target // programs), max_tiles, 64))
+    return max(1, min(-(-target // programs), max_tiles, envs.decode_attn_max_splits()))
 
 
 def _decode_tiling(k_cache: torch.Tensor) -> tuple[int, int]:
