@@ -545,6 +545,21 @@ def _launch_reduce(part_acc, part_m, part_l, seq_lens, out, num_heads: int, num_
     )
 
 
+# newest_kv holds a split's first KV tile (K and V) across the PDL wait. On the H200 the tree
+# with it and the other early loads took the 0.5B shape (head_dim 64, bf16: 16 KB a tile) at
+# batch 1 from 0.581 to 0.544 ms, while the 8B shape (head_dim 128: 32 KB) was 0.19 ms a step
+# slower (bench/RESULTS.md, twenty-second session), which no projection explains: larger tiles
+# keep reading the newest token from the cache until that is measured apart.
+NEWEST_KV_MAX_TILE_BYTES = 16 * 1024
+
+
+def newest_kv_pays(k_cache: torch.Tensor) -> bool:
+    """Whether a one-token step's decode attention should take newest_kv (the tile size it
+    was measured faster at)."""
+    block_n, _ = _decode_tiling(k_cache)
+    return 2 * block_n * k_cache.shape[-1] * k_cache.element_size() <= NEWEST_KV_MAX_TILE_BYTES
+
+
 def _check_newest_kv(newest_kv, q, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """newest_kv's (k, v), each [B, Hkv, D] with a contiguous last dim, or a ValueError naming it."""
     k, v = newest_kv

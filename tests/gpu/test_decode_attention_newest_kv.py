@@ -111,3 +111,14 @@ def test_newest_kv_shape_errors_name_the_field():
         ta.paged_decode_attention(q, k, v, bt, sl, 0.2, newest_kv=(qkv[:1, 4:6], qkv[:, 6:]))
     with pytest.raises(ValueError, match=r"newest_kv v: must be .* contiguous last dim"):
         ta.paged_decode_attention(q, k, v, bt, sl, 0.2, newest_kv=(qkv[:, 4:6], qkv[:, 6:].transpose(1, 2)))
+
+
+def test_one_token_steps_take_newest_kv_only_for_small_tiles():
+    """The gate paged_attention applies: newest_kv where the first tile held across the wait
+    is at most 16 KB (head_dim 64 in bf16 or fp32), not at head_dim 128 (32 KB and more)."""
+    ta = _attn()
+    small = torch.zeros(2, PAGE, 2, 64, device=DEV, dtype=torch.bfloat16)
+    large = torch.zeros(2, PAGE, 2, 128, device=DEV, dtype=torch.bfloat16)
+    assert ta.newest_kv_pays(small) and not ta.newest_kv_pays(large)
+    assert ta.newest_kv_pays(torch.zeros(2, PAGE, 2, 64, device=DEV)) and not ta.newest_kv_pays(
+        torch.zeros(2, PAGE, 2, 128, device=DEV))
