@@ -593,7 +593,8 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
         G=g, GP=max(16, _next_pow2(g)), D=d, DP=_next_pow2(d), PAGE=page, BLOCK_N=block_n, SPLIT=split,
         DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=counters is not None,
         SP=max(2, _next_pow2(num_splits)), GM=_next_pow2(g), num_warps=num_warps, num_stages=num_stages,
-        NEWEST_KV=newest_kv is not None, PREFETCH_KV=envs.decode_kv_prefetch() == "on", **pdl_launch(pdl),
+        NEWEST_KV=newest_kv is not None,
+        PREFETCH_KV=newest_kv is not None and envs.decode_kv_prefetch() == "on", **pdl_launch(pdl),
     )
 
 
