@@ -89,6 +89,12 @@ if HAS_TRITON:
         return k, v
 
     @triton.jit
+    def _with_newest(k, v, tok, newest, k_new, v_new):
+        """A KV tile whose token `newest` (if it holds it) is replaced by k_new / v_new."""
+        is_new = (tok == newest)[:, None]
+        return tl.where(is_new, k_new[None, :], k), tl.where(is_new, v_new[None, :], v)
+
+    @triton.jit
     def _attend_tile(q, k, v, tok, seq_len, m_i, l_i, acc, scale_log2e, DOT_PREC: tl.constexpr):
         """One KV tile folded into the online softmax state (m_i, l_i, acc) of a GQA group."""
         n_mask = tok < seq_len
@@ -149,16 +155,19 @@ if HAS_TRITON:
         bt_row = BT + b.to(tl.int64) * stride_btb
         k_base = K + kvh.to(tl.int64) * stride_kh
         v_base = V + kvh.to(tl.int64) * stride_vh
+        newest = seq_len - 1
+        # NEWEST_KV: the cache is read up to the newest token, which comes from KN/VN.
+        cached_end = newest if NEWEST_KV else seq_len
         first_tok = sp * BLOCK_N + offs_n
         if NEWEST_KV and PREFETCH_KV:
             # Every cached token but the newest was written by earlier steps: this split's
-            # first tile is in flight before the wait; the newest comes from KN/VN after it.
-            k_first, v_first = _kv_tile(bt_row, k_base, v_base, first_tok, first_tok < seq_len - 1, stride_kb,
+            # first tile is in flight before the wait.
+            k_first, v_first = _kv_tile(bt_row, k_base, v_base, first_tok, first_tok < cached_end, stride_kb,
                                         stride_kt, stride_vb, stride_vt, offs_d, d_mask, PAGE)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         if NEWEST_KV and not PREFETCH_KV:
-            k_first, v_first = _kv_tile(bt_row, k_base, v_base, first_tok, first_tok < seq_len - 1, stride_kb,
+            k_first, v_first = _kv_tile(bt_row, k_base, v_base, first_tok, first_tok < cached_end, stride_kb,
                                         stride_kt, stride_vb, stride_vt, offs_d, d_mask, PAGE)
 
         if SPLIT:
@@ -180,29 +189,21 @@ if HAS_TRITON:
 
         # Tiles sp, sp + num_splits, ... (round-robin: balanced for any seq_len).
         next_tile = sp
-        newest = seq_len - 1
         if NEWEST_KV:
             k_new = tl.load(KN + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=d_mask,
                             other=0.0).to(K.dtype.element_ty)
             v_new = tl.load(VN + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=d_mask,
                             other=0.0).to(V.dtype.element_ty)
             if sp < n_tiles:
-                is_new = (first_tok == newest)[:, None]
-                m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new[None, :], k_first),
-                                             tl.where(is_new, v_new[None, :], v_first), first_tok, seq_len,
-                                             m_i, l_i, acc, scale_log2e, DOT_PREC)
+                k, v = _with_newest(k_first, v_first, first_tok, newest, k_new, v_new)
+                m_i, l_i, acc = _attend_tile(q, k, v, first_tok, seq_len, m_i, l_i, acc, scale_log2e, DOT_PREC)
             next_tile = sp + num_splits
         for tile in range(next_tile, n_tiles, num_splits):
             tok = tile * BLOCK_N + offs_n
+            k, v = _kv_tile(bt_row, k_base, v_base, tok, tok < cached_end, stride_kb, stride_kt, stride_vb,
+                            stride_vt, offs_d, d_mask, PAGE)
             if NEWEST_KV:
-                k, v = _kv_tile(bt_row, k_base, v_base, tok, tok < newest, stride_kb, stride_kt, stride_vb,
-                                stride_vt, offs_d, d_mask, PAGE)
-                is_new = (tok == newest)[:, None]
-                k = tl.where(is_new, k_new[None, :], k)
-                v = tl.where(is_new, v_new[None, :], v)
-            else:
-                k, v = _kv_tile(bt_row, k_base, v_base, tok, tok < seq_len, stride_kb, stride_kt, stride_vb,
-                                stride_vt, offs_d, d_mask, PAGE)
+                k, v = _with_newest(k, v, tok, newest, k_new, v_new)
             m_i, l_i, acc = _attend_tile(q, k, v, tok, seq_len, m_i, l_i, acc, scale_log2e, DOT_PREC)
 
         out_mask = g_mask[:, None] & d_mask[None, :]
