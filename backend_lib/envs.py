@@ -157,6 +157,27 @@ def decode_kv_prefetch() -> str:
     return _switch(DECODE_KV_PREFETCH_ENV)
 
 
+# One-token decode attention takes this step's K/V from the q/k/v projection's output
+# (triton_attention newest_kv) instead of the cache: auto (where a split's first KV tile is
+# small enough that holding it across the PDL wait was measured faster:
+# triton_attention.newest_kv_pays), on, or off.
+DECODE_NEWEST_KV_ENV = "BACKEND_LIB_DECODE_NEWEST_KV"
+
+
+def decode_newest_kv() -> str:
+    return _switch(DECODE_NEWEST_KV_ENV, ("auto",), default="auto")
+
+
+# One-token projections ask L2 for their own weights before their PDL wait
+# (layers/decode_gemv.py, L2_PREFETCH): off, oproj (only the projection after attention,
+# whose wait covers the attention's latency-bound run, when HBM is otherwise idle) or all.
+DECODE_GEMV_L2_PREFETCH_ENV = "BACKEND_LIB_DECODE_GEMV_L2_PREFETCH"
+
+
+def decode_gemv_l2_prefetch() -> str:
+    return _switch(DECODE_GEMV_L2_PREFETCH_ENV, ("oproj", "all"), default="off")
+
+
 # The most programs per (sequence, kv head) of the split decode attention (its grid is fixed
 # by shapes: at batch 1 most splits of a short sequence have no tile and exit, yet with PDL
 # they sit resident beside the running projection until its end).

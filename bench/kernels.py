@@ -65,10 +65,16 @@ def _log(msg: str) -> None:
 # ---- 1. kernel census ---------------------------------------------------------------------------
 
 def build_model(args) -> str:
+    """The census's checkpoint folder. The 8B shape on CUDA is a config folder the engine fills
+    with random weights on the GPU (load_format "dummy": writing 16 GB of safetensors would
+    take minutes of the lease); the 0.5B goes through the safetensors path."""
     mm = load_make_model()
     cuda = args.device == "cuda"
-    out = Path(args.model_dir) / ("qwen2.5-0.5b-random" if cuda else "qwen2.5-0.5b-small-random")
-    path = mm.write_random_model(out, "qwen2.5-0.5b", dtype="bfloat16" if cuda else "float32",
+    if cuda and args.preset == "llama-3-8b":
+        from bench.decode import write_preset_config
+        return write_preset_config(args.preset, args.model_dir)
+    out = Path(args.model_dir) / (f"{args.preset}-random" if cuda else f"{args.preset}-small-random")
+    path = mm.write_random_model(out, args.preset, dtype="bfloat16" if cuda else "float32",
                                  device=args.device, overrides=None if cuda else _CPU_OVERRIDES)
     return str(path)
 
@@ -81,7 +87,8 @@ def _engine(path: str, args, cuda_graph: bool):
         model_path=path, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
         max_num_seqs=max(args.batch, 1), max_num_batched_tokens=max(args.batch * args.prompt_len, max_len),
         max_model_len=max_len, block_size=bs, num_kv_blocks=args.batch * (max_len // bs) + 8,
-        async_token_handoff="on", enable_cuda_graph=cuda_graph, cuda_graph_max_batch=max(args.batch, 1)))
+        async_token_handoff="on", enable_cuda_graph=cuda_graph, cuda_graph_max_batch=max(args.batch, 1),
+        load_format="dummy" if path.endswith("-config") else "safetensors"))
 
 
 # The census's sampling (bench/decode.py's modes): request i's SamplingParams keywords.
@@ -141,7 +148,7 @@ def profile_decode_steps(path: str, args, cuda_graph: bool, trace: Path) -> dict
     biggest = sorted((sorted(v) for v in launches.values()), key=len)
     one_launch = biggest[-1] if biggest and len(biggest[-1]) > 1 else []
     return {"events": events, "steps": args.steps, "wall_s": wall, "graph": graph, "num_layers": num_layers,
-            "one_launch": [(name, dur) for _, name, dur in one_launch]}
+            "one_launch": [(name, dur, ts - one_launch[0][0]) for ts, name, dur in one_launch]}
 
 
 def kernel_family(name: str) -> str:
@@ -161,6 +168,34 @@ def kernel_family(name: str) -> str:
 def _short(name: str, width: int = 90) -> str:
     name = re.sub(r"\s+", " ", name)
     return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def critical_path(seq: list) -> list[float]:
+    """Each kernel's share of a graph replay's wall time: how far its end lies past every
+    earlier kernel's end (seq: (name, µs, start µs) in launch order). Under PDL a kernel
+    starts before its predecessor ends and its duration includes its wait, so durations
+    overlap; these shares do not, and they sum to the replay's span (an idle gap before a
+    kernel counts to that kernel: its launch)."""
+    shares, last_end = [], seq[0][2] if seq else 0.0
+    for _, dur, start in seq:
+        end = start + dur
+        shares.append(max(0.0, end - last_end))
+        last_end = max(last_end, end)
+    return shares
+
+
+def _critical_by_kernel(seq: list, shares: list[float], num_layers: int) -> list[str]:
+    """The replay's wall time by kernel name: total, per layer, and calls."""
+    by: dict = defaultdict(lambda: [0, 0.0])
+    for (name, _, _), share in zip(seq, shares):
+        by[name][0] += 1
+        by[name][1] += share
+    lines = ["", f"Wall time of one replay by kernel ({sum(shares):.1f} µs from the first kernel's start "
+                 f"to the last one's end):", "", "| kernel | calls | µs on the critical path | per layer |",
+             "|---|---|---|---|"]
+    for name, (k, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| `{_short(name, 70)}` | {k} | {t:.1f} | {t / num_layers:.2f} |")
+    return lines
 
 
 def census_tables(c: dict, cuda: bool) -> str:
@@ -185,11 +220,16 @@ def census_tables(c: dict, cuda: bool) -> str:
         lines.append(f"| {f} | {k / steps:.1f} | {d / steps:.1f} | {100 * d / max(busy, 1e-9):.1f} |")
     if cuda and c["graph"] and len(c.get("one_launch") or []) >= c["num_layers"]:
         seq = c["one_launch"]
+        shares = critical_path(seq)
         lines += ["", f"One graph replay (the decode program), in launch order: {len(seq)} kernels, "
-                      f"{sum(d for _, d in seq):.1f} µs; the remaining {n / steps - len(seq):.1f} kernels per step "
-                      f"run outside the graph (table updates, relay/handoff copies).", "",
-                  "| # | kernel | µs |", "|---|---|---|"]
-        lines += [f"| {i} | `{_short(name, 70)}` | {d:.2f} |" for i, (name, d) in enumerate(seq)]
+                      f"{sum(d for _, d, _ in seq):.1f} µs of kernel time; the remaining {n / steps - len(seq):.1f} "
+                      f"kernels per step run outside the graph (table updates, relay/handoff copies). "
+                      f"start: µs after the replay's first kernel began; critical: how far its end lies "
+                      f"past every earlier kernel's end.", "",
+                  "| # | kernel | µs | start | critical |", "|---|---|---|---|---|"]
+        lines += [f"| {i} | `{_short(name, 70)}` | {d:.2f} | {t:.1f} | {share:.2f} |"
+                  for i, ((name, d, t), share) in enumerate(zip(seq, shares))]
+        lines += _critical_by_kernel(seq, shares, c["num_layers"])
     lines += ["", "| kernel | calls/step | µs/call | µs/step | % of busy |", "|---|---|---|---|---|"]
     for name, (k, d) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| `{_short(name)}` | {k / steps:.2f} | {d / k:.2f} | {d / steps:.2f} | "
@@ -281,6 +321,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--batch", type=int, default=1, help="decode batch of the census (default 1)")
+    ap.add_argument("--preset", choices=("qwen2.5-0.5b", "llama-3-8b"), default="qwen2.5-0.5b",
+                    help="the census's model shape (random weights; on CPU scaled down)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy", help="the census's sampling")
     ap.add_argument("--warmup", type=int, default=10, help="decode steps before profiling")
@@ -326,7 +368,7 @@ def main(argv=None) -> int:
         tag = f" ({name}: {' '.join(f'{k}={v}' for k, v in env.items())})" if name else ""
         with envs.overridden(env):
             census = census_of(path, args, out / f"kernels_trace{'_' + name if name else ''}.json")
-        sections += [f"## Kernels of one decode step: qwen2.5-0.5b shape, batch {args.batch}, "
+        sections += [f"## Kernels of one decode step: {args.preset} shape, batch {args.batch}, "
                      f"prompt {args.prompt_len}, sampling {args.sampling}{tag}\n", census_tables(census, cuda), ""]
         result["census" + ("_" + name if name else "")] = {
             "kernels_per_step": len(census["events"]) / census["steps"],

@@ -46,7 +46,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     them from here and load the cache before their PDL wait (triton_attention)."""
     if q.is_cuda or (partials and INTERPRET):
         from . import triton_attention as ta
-        if newest_kv is not None and not ta.newest_kv_pays(k_cache):
+        if newest_kv is not None and not ta.newest_kv_wanted(k_cache):
             newest_kv = None  # the cache holds the newest K/V too
         if partials and meta.is_decode and q.shape[0] == 1 and q.shape[-1] & (q.shape[-1] - 1) == 0:
             return ta.paged_decode_partials(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, pdl=pdl,

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from .. import envs
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
-from .triton_support import pdl_launch, pdl_release_dependents, pdl_supported  # noqa: F401
+from .triton_support import l2_prefetch, pdl_launch, pdl_release_dependents, pdl_supported  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,23 @@ if HAS_TRITON:
             m_run = m_new
         o = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
         return tl.reshape(o.to(DT).to(tl.float32), [BLOCK_K])
+
+    @triton.jit
+    def _prefetch_slice(W, offs_n, n_mask, stride_wn, k_from, k_to, BLOCK_N: tl.constexpr,
+                        PIECES: tl.constexpr):
+        """Ask L2 for the weight columns [k_from, k_to) of this program's rows, each row's
+        span cut into PIECES (BLOCK_N x PIECES: one prefetch a thread). Issued before the
+        PDL wait, it streams the slice while the previous kernel runs: after the decode
+        attention, which reads little, HBM is otherwise idle."""
+        esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
+        span = tl.maximum(k_to - k_from, 0) * esize
+        piece = (tl.cdiv(tl.cdiv(span, PIECES), 16) * 16).to(tl.int32)
+        i = tl.arange(0, PIECES)
+        start = i * piece
+        nbytes = tl.where(n_mask[:, None], tl.minimum(span - start, piece)[None, :], 0)
+        rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn + k_from
+        ptrs = (W + rows[:, None]).to(tl.pointer_type(tl.int8)) + start[None, :]
+        l2_prefetch(ptrs, nbytes.to(tl.int32))
 
     @triton.jit
     def _rope_tables(pid, COS, SIN, POS, SLOT, stride_cos, DT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -225,7 +242,8 @@ if HAS_TRITON:
                      HQ: tl.constexpr = 0, HKV: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2,
                      HALF: tl.constexpr = 1, EARLY_RELEASE: tl.constexpr = True,
                      ATTN_BLOCK_N: tl.constexpr = 64, SPLIT_CHUNK: tl.constexpr = 8,
-                     SPLIT_K: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16):
+                     SPLIT_K: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16,
+                     L2_PREFETCH: tl.constexpr = False, PF_PIECES: tl.constexpr = 1):
         pid = tl.program_id(0)
         # SPLIT_K: this program's K slice [k_lo, k_hi) (k_per_split is K without a split);
         # Y is an fp32 accumulator the slices add into, ZERO the ring's buffer to clear.
@@ -247,6 +265,8 @@ if HAS_TRITON:
         # The first weight tile does not depend on earlier kernels: in flight before the wait.
         w_next = tl.load(w_rows + (k_lo + offs_kb)[None, :],
                          mask=n_mask[:, None] & (k_lo + offs_kb < k_hi)[None, :], other=0.0)
+        if L2_PREFETCH:
+            _prefetch_slice(W, offs_n, n_mask, stride_wn, k_lo + BLOCK_K, k_hi, BLOCK_N, PF_PIECES)
         if ROPE:
             c1, c2, s1, s2, slot = _rope_tables(pid, COS, SIN, POS, SLOT, stride_cos, DT, BLOCK_N, HALF)
         if USE_PDL:
@@ -331,13 +351,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
          cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False, rope: Optional[RopeKV] = None,
          early_release: bool = True,
          out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None,
-         zero: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+         zero: Optional[torch.Tensor] = None, l2_prefetch: bool = False,
+         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x [1, K] (SILU_MUL: [1, 2K]) -> (y [1, N], new residual or None). ADD_RMSNORM returns
     x + residual as the new residual (into residual_out when given: the tests poison it).
     rope: y is q/k/v, rotated, and k/v also land in the cache (RopeKV). early_release (with
     pdl): let the next kernel launch as this one starts, not only as it exits.
     cfg.split_k > 1: y is `out`, an fp32 [1, N] accumulator that must be zero, and `zero`
-    (fp32 [1, N], another buffer) is set to 0 (AccumulatorRing.for_layer gives both)."""
+    (fp32 [1, N], another buffer) is set to 0 (AccumulatorRing.for_layer gives both).
+    l2_prefetch: each program asks L2 for the rest of its weight slice before its PDL wait
+    (Hopper, 16-byte aligned rows; ignored elsewhere)."""
     if not supported(x, w, prologue):
         raise ValueError(f"decode_gemv: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          "not supported (one contiguous row, w's rows contiguous, one dtype (fp32 x "
@@ -388,8 +411,18 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
         n, k, eps, w.stride(0), *rope_args, x, x, x, 0, zero if split else x, k_per_split,
         PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, SPLIT_K=split,
-        NORM_BLOCK=norm_block, **rope_meta, **pdl_launch(pdl))
+        NORM_BLOCK=norm_block, **rope_meta, **_prefetch_meta(l2_prefetch, w, cfg), **pdl_launch(pdl))
     return y, new_res
+
+
+def _prefetch_meta(wanted: bool, w: torch.Tensor, cfg: GemvConfig) -> dict:
+    """The kernel's L2_PREFETCH arguments: on only where the bulk prefetch can run (a Hopper
+    GPU, not the interpreter) and every row span is 16-byte aligned."""
+    esize = w.element_size()
+    if not (wanted and w.is_cuda and not _INTERPRET and pdl_supported(w.device) and w.data_ptr() % 16 == 0
+            and (w.stride(0) * esize) % 16 == 0 and (w.shape[1] * esize) % 16 == 0):
+        return {}
+    return dict(L2_PREFETCH=True, PF_PIECES=max(1, cfg.num_warps * 32 // cfg.block_n))
 
 
 def _output(cfg: GemvConfig, prologue: int, rope: Optional[RopeKV], w: torch.Tensor,
@@ -434,7 +467,8 @@ def merge_supported(parts, w: torch.Tensor, cfg: GemvConfig) -> bool:
 
 def gemv_merged(parts, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
                 cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False, early_release: bool = True,
-                out: Optional[torch.Tensor] = None, zero: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, zero: Optional[torch.Tensor] = None,
+                l2_prefetch: bool = False) -> torch.Tensor:
     """y [1, N] = merge(parts) @ W^T (+ b): the MERGE_SPLITS prologue (parts:
     triton_attention.DecodePartials of one row, W [N, num_heads * head_dim]). cfg.split_k > 1:
     each program merges only its K slice's heads; out and zero as gemv's."""
@@ -454,7 +488,7 @@ def gemv_merged(parts, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
         _k_per_split(k, cfg.split_k, parts.head_dim) if split else k,
         PROLOGUE=MERGE_SPLITS, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, HEAD_DIM=parts.head_dim,
-        ATTN_BLOCK_N=parts.block_n, SPLIT_K=split, **pdl_launch(pdl))
+        ATTN_BLOCK_N=parts.block_n, SPLIT_K=split, **_prefetch_meta(l2_prefetch, w, cfg), **pdl_launch(pdl))
     return y
 
 
@@ -523,12 +557,13 @@ class DecodeGemv:
     early_release: bool = True  # with pdl: the next kernel may launch as soon as this one starts
     merge_attention: bool = False  # attention leaves its splits to o_proj's MERGE_SPLITS prologue
     num_layers: int = 0     # layers of the model's forward; split-K is tried only with 2 or more
+    l2_prefetch: str = "off"  # envs.decode_gemv_l2_prefetch: off, oproj (after attention) or all
     configs: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     rings: dict = field(default_factory=dict)   # shape key -> AccumulatorRing (split-K shapes)
 
     def run(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
-            rope: Optional[RopeKV] = None, layer: Optional[int] = None):
+            rope: Optional[RopeKV] = None, layer: Optional[int] = None, after_attention: bool = False):
         w = proj.weight
         key = shape_key(prologue, w, proj.bias, rope is not None)
         cfg = self.configs.get(key, DEFAULT_CONFIG)
@@ -543,7 +578,11 @@ class DecodeGemv:
                 out, zero = ring.for_layer(layer)
         return gemv(x, proj.weight, proj.bias, prologue=prologue, residual=residual,
                     ln_weight=ln_weight, eps=eps, cfg=cfg, pdl=self.pdl, rope=rope,
-                    early_release=self.early_release, out=out, zero=zero)
+                    early_release=self.early_release, out=out, zero=zero,
+                    l2_prefetch=self._prefetch(after_attention))
+
+    def _prefetch(self, after_attention: bool) -> bool:
+        return self.l2_prefetch == "all" or (self.l2_prefetch == "oproj" and after_attention)
 
     def make_rings(self, device) -> None:
         """An accumulator per layer for every shape whose tuned configuration splits K."""
@@ -558,7 +597,7 @@ class DecodeGemv:
         its prologue, or the reduce kernel merges where o_proj runs unfused (cuBLAS won)."""
         from .triton_attention import DecodePartials, merge_decode_partials
         if not isinstance(attn_out, DecodePartials):
-            return self.run(attn_out.contiguous(), proj, layer=layer)[0]
+            return self.run(attn_out.contiguous(), proj, layer=layer, after_attention=True)[0]
         w = proj.weight
         key = shape_key(PLAIN, w, proj.bias, False)
         cfg = self.configs.get(key, DEFAULT_CONFIG)
@@ -571,9 +610,9 @@ class DecodeGemv:
                 else:
                     out, zero = ring.for_layer(layer)
             return gemv_merged(attn_out, w, proj.bias, cfg=cfg, pdl=self.pdl, early_release=self.early_release,
-                               out=out, zero=zero)
+                               out=out, zero=zero, l2_prefetch=self._prefetch(True))
         o = merge_decode_partials(attn_out, pdl=self.pdl)
-        return self.run(o.view(1, -1), proj, layer=layer)[0]
+        return self.run(o.view(1, -1), proj, layer=layer, after_attention=True)[0]
 
     def unfused(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
                 rope: Optional[RopeKV] = None):
@@ -663,7 +702,8 @@ def install(model, mode: str) -> Optional[DecodeGemv]:
     device = next(model.parameters()).device
     table = DecodeGemv(pdl=(mode in ("on", "pdl", "implicit") and pdl_supported(device)),
                        rope=(mode in ("on", "implicit")), early_release=(mode != "implicit"),
-                       merge_attention=envs.decode_attn_reduce() == "oproj", num_layers=len(model.layers))
+                       merge_attention=envs.decode_attn_reduce() == "oproj", num_layers=len(model.layers),
+                       l2_prefetch=envs.decode_gemv_l2_prefetch())
     s = model.shape
     # The model's forward_one_token decides the same: Qwen3's q/k norm keeps rope apart.
     heads = (s.num_heads, s.num_kv_heads, s.head_dim) if table.rope and not s.qk_norm else None

@@ -561,6 +561,12 @@ def newest_kv_pays(k_cache: torch.Tensor) -> bool:
     return 2 * block_n * k_cache.shape[-1] * k_cache.element_size() <= NEWEST_KV_MAX_TILE_BYTES
 
 
+def newest_kv_wanted(k_cache: torch.Tensor) -> bool:
+    """newest_kv_pays, unless BACKEND_LIB_DECODE_NEWEST_KV forces it on or off."""
+    mode = envs.decode_newest_kv()
+    return newest_kv_pays(k_cache) if mode == "auto" else mode == "on"
+
+
 def _check_newest_kv(newest_kv, q, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """newest_kv's (k, v), each [B, Hkv, D] with a contiguous last dim, or a ValueError naming it."""
     k, v = newest_kv

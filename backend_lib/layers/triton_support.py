@@ -28,8 +28,19 @@ if HAS_TRITON:
         unused)."""
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def l2_prefetch(ptrs, nbytes):
+        """cp.async.bulk.prefetch.L2.global (Hopper): ask L2 for nbytes at each of ptrs (16-byte
+        aligned, nbytes a multiple of 16; <= 0: nothing). Fire and forget: no register waits
+        on it. One element a thread: a tensor smaller than the CTA repeats the prefetch in
+        every thread holding a copy."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 else:  # pragma: no cover - depends on the environment
     pdl_release_dependents = None
+    l2_prefetch = None
 
 # kernels also run on CPU tensors, in Triton's interpreter (TRITON_INTERPRET=1)
 INTERPRET = envs.triton_interpret()

@@ -18,3 +18,11 @@ def test_kernel_bench_cpu_smoke(tmp_path, capsys):
     assert res["census"]["steps"] == 3 and res["census"]["kernels_per_step"] > 100
     assert (out / "kernels_trace.json").stat().st_size > 0
     assert "## Kernels of one decode step" in capsys.readouterr().out
+
+
+def test_critical_path_splits_overlapping_kernels_into_disjoint_shares():
+    # (name, µs, start): b starts under a (PDL) and ends 3 µs after it; c lies inside b;
+    # d starts after a 1 µs gap, which counts to d (its launch); the shares sum to the span.
+    seq = [("a", 5.0, 0.0), ("b", 6.0, 2.0), ("c", 1.0, 4.0), ("d", 2.0, 9.0)]
+    assert kernels.critical_path(seq) == [5.0, 3.0, 0.0, 3.0]
+    assert kernels.critical_path([]) == []

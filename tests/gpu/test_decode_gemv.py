@@ -266,6 +266,49 @@ def test_pdl_kernel_waits_and_releases_its_dependents():
     assert torch.allclose(y.float(), (x.float() @ w.float().T), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_l2_prefetch_is_issued_before_the_wait_and_changes_nothing(split_k):
+    """l2_prefetch: the compiled kernel asks L2 for its slice (cp.async.bulk.prefetch) before
+    griddepcontrol.wait, and the projection's output is the same bits as without it."""
+    dg = _dg()
+    if not dg.pdl_supported(torch.device(DEVICE)):
+        pytest.skip("the bulk L2 prefetch needs compute capability 9.0")
+    n, k = 320, 1024
+    x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
+    cfg = dg.GemvConfig(8, 256, 4, split_k)
+    meta = dg._prefetch_meta(True, w, cfg)
+    assert meta == {"L2_PREFETCH": True, "PF_PIECES": 16}
+    outs = []
+    for prefetch in (False, True):
+        acc = zero = None
+        if split_k > 1:
+            acc, zero = torch.zeros(1, n, device=DEVICE), torch.full((1, n), 7.0, device=DEVICE)
+        y, _ = dg.gemv(x, w, cfg=cfg, pdl=True, out=acc, zero=zero, l2_prefetch=prefetch)
+        outs.append(y.clone())
+    torch.cuda.synchronize()
+    if split_k == 1:
+        assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1].float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-1)
+    kernel = dg._gemv_kernel[(n // 8, split_k)](
+        x, x, x, w, w, outs[1], outs[1], n, k, 1e-6, w.stride(0), *(x,) * 6, 0, PART_M=x, PART_L=x,
+        ATTN_SL=x, num_splits=0, ZERO=zero if split_k > 1 else x, k_per_split=k // split_k,
+        PROLOGUE=dg.PLAIN, HAS_BIAS=False, USE_PDL=True, BLOCK_N=8, BLOCK_K=256, SPLIT_K=split_k > 1,
+        num_warps=4, launch_pdl=True, **meta)
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1
+    assert ptx.index("cp.async.bulk.prefetch.L2.global") < ptx.index("griddepcontrol.wait")
+
+
+def test_l2_prefetch_needs_aligned_rows():
+    """A weight whose rows are not 16-byte aligned launches without the prefetch."""
+    dg = _dg()
+    w = torch.randn(16, 100, device=DEVICE, dtype=torch.bfloat16)
+    assert dg._prefetch_meta(True, w, dg.GemvConfig(8, 256, 4)) == {}
+    assert dg._prefetch_meta(False, torch.randn(16, 128, device=DEVICE, dtype=torch.bfloat16),
+                             dg.GemvConfig(8, 256, 4)) == {}
+
+
 ROPE_SHAPES = ([(3, 1, 16, True), (4, 2, 32, False)] if _ON_CPU
                else [(14, 2, 64, True), (32, 8, 128, False), (3, 1, 16, True)])
 
