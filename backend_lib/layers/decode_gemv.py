@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from .. import envs
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
-from .triton_support import l2_prefetch, pdl_launch, pdl_release_dependents, pdl_supported  # noqa: F401
+from .triton_support import l2_prefetch, num_sms, pdl_launch, pdl_release_dependents, pdl_supported  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ SPLIT_K_CANDIDATES = (GemvConfig(8, 1024, 4, 2), GemvConfig(8, 512, 4, 4), GemvC
 SPLIT_K_PROLOGUES = (PLAIN, SILU_MUL, MERGE_SPLITS)   # o_proj and down, read by an add + norm prologue
 # A split's K slice starts on a multiple of this many elements (16-byte aligned weight loads).
 _SPLIT_ALIGN = 64
+# The most of a weight the L2 prefetch asks for (half the H100's and H200's 50 MB L2): more
+# would evict what it fetched before the projection reads it.
+L2_PREFETCH_MAX_BYTES = 24 << 20
 # The norm prologues read the row for its sum of squares in chunks of up to this many values:
 # one L2 round trip for hidden sizes up to 4096 instead of one per BLOCK_K.
 _NORM_BLOCK_MAX = 4096
@@ -139,21 +142,19 @@ if HAS_TRITON:
         return tl.reshape(o.to(DT).to(tl.float32), [BLOCK_K])
 
     @triton.jit
-    def _prefetch_slice(W, offs_n, n_mask, stride_wn, k_from, k_to, BLOCK_N: tl.constexpr,
-                        PIECES: tl.constexpr):
-        """Ask L2 for the weight columns [k_from, k_to) of this program's rows, each row's
-        span cut into PIECES (BLOCK_N x PIECES: one prefetch a thread). Issued before the
-        PDL wait, it streams the slice while the previous kernel runs: after the decode
-        attention, which reads little, HBM is otherwise idle."""
-        esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-        span = tl.maximum(k_to - k_from, 0) * esize
-        piece = (tl.cdiv(tl.cdiv(span, PIECES), 16) * 16).to(tl.int32)
-        i = tl.arange(0, PIECES)
-        start = i * piece
-        nbytes = tl.where(n_mask[:, None], tl.minimum(span - start, piece)[None, :], 0)
-        rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn + k_from
-        ptrs = (W + rows[:, None]).to(tl.pointer_type(tl.int8)) + start[None, :]
-        l2_prefetch(ptrs, nbytes.to(tl.int32))
+    def _prefetch_weights(W, pf_bytes, pf_programs, THREADS: tl.constexpr):
+        """Programs 0 .. pf_programs - 1 (the first dispatched: one an SM) each ask L2 for
+        1/pf_programs of the weight's first pf_bytes, one piece a thread. Issued before the PDL
+        wait, it streams the weight while the previous kernel runs (after the decode attention,
+        which reads little, HBM is otherwise idle), also the parts whose own programs are not
+        resident yet."""
+        pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)   # dispatch order
+        if pid < pf_programs:
+            share = tl.cdiv(tl.cdiv(pf_bytes, pf_programs), 16 * THREADS) * 16 * THREADS
+            piece = share // THREADS
+            start = pid.to(tl.int64) * share + tl.arange(0, THREADS).to(tl.int64) * piece
+            nbytes = tl.minimum(tl.maximum(pf_bytes - start, 0), piece).to(tl.int32)
+            l2_prefetch(W.to(tl.pointer_type(tl.int8)) + start, nbytes)
 
     @triton.jit
     def _rope_tables(pid, COS, SIN, POS, SLOT, stride_cos, DT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -243,7 +244,8 @@ if HAS_TRITON:
                      HALF: tl.constexpr = 1, EARLY_RELEASE: tl.constexpr = True,
                      ATTN_BLOCK_N: tl.constexpr = 64, SPLIT_CHUNK: tl.constexpr = 8,
                      SPLIT_K: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16,
-                     L2_PREFETCH: tl.constexpr = False, PF_PIECES: tl.constexpr = 1):
+                     pf_bytes=0, pf_programs=0, L2_PREFETCH: tl.constexpr = False,
+                     PF_THREADS: tl.constexpr = 128):
         pid = tl.program_id(0)
         # SPLIT_K: this program's K slice [k_lo, k_hi) (k_per_split is K without a split);
         # Y is an fp32 accumulator the slices add into, ZERO the ring's buffer to clear.
@@ -266,7 +268,7 @@ if HAS_TRITON:
         w_next = tl.load(w_rows + (k_lo + offs_kb)[None, :],
                          mask=n_mask[:, None] & (k_lo + offs_kb < k_hi)[None, :], other=0.0)
         if L2_PREFETCH:
-            _prefetch_slice(W, offs_n, n_mask, stride_wn, k_lo + BLOCK_K, k_hi, BLOCK_N, PF_PIECES)
+            _prefetch_weights(W, pf_bytes, pf_programs, PF_THREADS)
         if ROPE:
             c1, c2, s1, s2, slot = _rope_tables(pid, COS, SIN, POS, SLOT, stride_cos, DT, BLOCK_N, HALF)
         if USE_PDL:
@@ -359,8 +361,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     pdl): let the next kernel launch as this one starts, not only as it exits.
     cfg.split_k > 1: y is `out`, an fp32 [1, N] accumulator that must be zero, and `zero`
     (fp32 [1, N], another buffer) is set to 0 (AccumulatorRing.for_layer gives both).
-    l2_prefetch: each program asks L2 for the rest of its weight slice before its PDL wait
-    (Hopper, 16-byte aligned rows; ignored elsewhere)."""
+    l2_prefetch: the first programs ask L2 for the weight before their PDL wait (Hopper, a
+    contiguous 16-byte aligned weight; ignored elsewhere: _prefetch_meta)."""
     if not supported(x, w, prologue):
         raise ValueError(f"decode_gemv: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          "not supported (one contiguous row, w's rows contiguous, one dtype (fp32 x "
@@ -417,12 +419,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
 
 def _prefetch_meta(wanted: bool, w: torch.Tensor, cfg: GemvConfig) -> dict:
     """The kernel's L2_PREFETCH arguments: on only where the bulk prefetch can run (a Hopper
-    GPU, not the interpreter) and every row span is 16-byte aligned."""
-    esize = w.element_size()
-    if not (wanted and w.is_cuda and not _INTERPRET and pdl_supported(w.device) and w.data_ptr() % 16 == 0
-            and (w.stride(0) * esize) % 16 == 0 and (w.shape[1] * esize) % 16 == 0):
+    GPU, not the interpreter) over a contiguous, 16-byte aligned weight; at most
+    L2_PREFETCH_MAX_BYTES of it (what is read first), shared by one program an SM."""
+    nbytes = w.numel() * w.element_size()
+    if not (wanted and w.is_cuda and not _INTERPRET and pdl_supported(w.device) and w.is_contiguous()
+            and w.data_ptr() % 16 == 0 and nbytes % 16 == 0):
         return {}
-    return dict(L2_PREFETCH=True, PF_PIECES=max(1, cfg.num_warps * 32 // cfg.block_n))
+    return dict(L2_PREFETCH=True, pf_bytes=min(nbytes, L2_PREFETCH_MAX_BYTES), pf_programs=num_sms(w.device),
+                PF_THREADS=cfg.num_warps * 32)
 
 
 def _output(cfg: GemvConfig, prologue: int, rope: Optional[RopeKV], w: torch.Tensor,

@@ -268,7 +268,7 @@ def test_pdl_kernel_waits_and_releases_its_dependents():
 
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_l2_prefetch_is_issued_before_the_wait_and_changes_nothing(split_k):
-    """l2_prefetch: the compiled kernel asks L2 for its slice (cp.async.bulk.prefetch) before
+    """l2_prefetch: the compiled kernel asks L2 for the weight (cp.async.bulk.prefetch) before
     griddepcontrol.wait, and the projection's output is the same bits as without it."""
     dg = _dg()
     if not dg.pdl_supported(torch.device(DEVICE)):
@@ -278,7 +278,8 @@ def test_l2_prefetch_is_issued_before_the_wait_and_changes_nothing(split_k):
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
     cfg = dg.GemvConfig(8, 256, 4, split_k)
     meta = dg._prefetch_meta(True, w, cfg)
-    assert meta == {"L2_PREFETCH": True, "PF_PIECES": 16}
+    assert meta == {"L2_PREFETCH": True, "pf_bytes": n * k * 2, "pf_programs": dg.num_sms(w.device),
+                    "PF_THREADS": 128}
     outs = []
     for prefetch in (False, True):
         acc = zero = None
@@ -300,10 +301,10 @@ def test_l2_prefetch_is_issued_before_the_wait_and_changes_nothing(split_k):
     assert ptx.index("cp.async.bulk.prefetch.L2.global") < ptx.index("griddepcontrol.wait")
 
 
-def test_l2_prefetch_needs_aligned_rows():
-    """A weight whose rows are not 16-byte aligned launches without the prefetch."""
+def test_l2_prefetch_needs_a_contiguous_weight():
+    """A weight view with gaps between its rows launches without the prefetch."""
     dg = _dg()
-    w = torch.randn(16, 100, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(16, 256, device=DEVICE, dtype=torch.bfloat16)[:, :128]
     assert dg._prefetch_meta(True, w, dg.GemvConfig(8, 256, 4)) == {}
     assert dg._prefetch_meta(False, torch.randn(16, 128, device=DEVICE, dtype=torch.bfloat16),
                              dg.GemvConfig(8, 256, 4)) == {}
