@@ -83,9 +83,9 @@ SPLIT_K_CANDIDATES = (GemvConfig(8, 1024, 4, 2), GemvConfig(8, 512, 4, 4), GemvC
 SPLIT_K_PROLOGUES = (PLAIN, SILU_MUL, MERGE_SPLITS)   # o_proj and down, read by an add + norm prologue
 # A split's K slice starts on a multiple of this many elements (16-byte aligned weight loads).
 _SPLIT_ALIGN = 64
-# The most of a weight the L2 prefetch asks for (half the H100's and H200's 50 MB L2): more
-# would evict what it fetched before the projection reads it.
-L2_PREFETCH_MAX_BYTES = 24 << 20
+# The most of a weight the L2 prefetch asks for: two thirds of the H100's and H200's 50 MB L2
+# (a whole 8B o_proj, 32 MiB); more would evict what it fetched before the projection reads it.
+L2_PREFETCH_MAX_BYTES = 32 << 20
 # The norm prologues read the row for its sum of squares in chunks of up to this many values:
 # one L2 round trip for hidden sizes up to 4096 instead of one per BLOCK_K.
 _NORM_BLOCK_MAX = 4096
