@@ -178,6 +178,15 @@ def decode_gemv_l2_prefetch() -> str:
     return _switch(DECODE_GEMV_L2_PREFETCH_ENV, ("oproj", "all"), default="off")
 
 
+# Split decode attention launched with PDL: on (splits without a KV tile exit before the PDL
+# wait, freeing the SM for the projection still running) or off (they wait, then exit).
+DECODE_ATTN_EARLY_EXIT_ENV = "BACKEND_LIB_DECODE_ATTN_EARLY_EXIT"
+
+
+def decode_attn_early_exit() -> str:
+    return _switch(DECODE_ATTN_EARLY_EXIT_ENV)
+
+
 # The most programs per (sequence, kv head) of the split decode attention (its grid is fixed
 # by shapes: at batch 1 most splits of a short sequence have no tile and exit, yet with PDL
 # they sit resident beside the running projection until its end).

@@ -133,6 +133,7 @@ if HAS_TRITON:
         MERGE_CHUNK: tl.constexpr = 8,  # FUSED_REDUCE: splits' partial outputs loaded at once
         NEWEST_KV: tl.constexpr = False,  # each row's newest K/V come from KN/VN, not the cache
         PREFETCH_KV: tl.constexpr = True,  # NEWEST_KV: the first tile loads before the PDL wait
+        EARLY_EXIT: tl.constexpr = True,  # SPLIT + USE_PDL: splits without a tile exit before the wait
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -144,6 +145,14 @@ if HAS_TRITON:
         # (layers/decode_gemv.py, the chain): read while the previous kernel still runs.
         seq_len = tl.load(SL + b)
         n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        if SPLIT and USE_PDL and EARLY_EXIT:
+            # A split without a tile reads and writes nothing: it leaves now instead of holding
+            # its registers through the wait, where they would keep the running projection's
+            # programs off the SM (the grid is sized for the longest sequence, so at batch 1
+            # most splits have no tile). Split 0 always waits: the kernel completes only after
+            # the one before it, which the chain's later kernels rely on (decode_gemv).
+            if (sp > 0) & (sp >= n_tiles):
+                return
 
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, DP)
@@ -601,7 +610,8 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
         DOT_PREC=_dot_prec(k_cache.dtype), USE_PDL=pdl, FUSED_REDUCE=counters is not None,
         SP=max(2, _next_pow2(num_splits)), GM=_next_pow2(g), num_warps=num_warps, num_stages=num_stages,
         NEWEST_KV=newest_kv is not None,
-        PREFETCH_KV=newest_kv is not None and envs.decode_kv_prefetch() == "on", **pdl_launch(pdl),
+        PREFETCH_KV=newest_kv is not None and envs.decode_kv_prefetch() == "on",
+        EARLY_EXIT=envs.decode_attn_early_exit() == "on", **pdl_launch(pdl),
     )
 
 

@@ -119,3 +119,32 @@ def test_fused_reduce_in_a_cuda_graph_with_fresh_lengths(pdl):
         assert not torch.isnan(out).any() and _rel(out, ref) < TOL[torch.bfloat16], (lens, seed)
     torch.cuda.synchronize()
     assert int(ta._COUNTERS[k.data_ptr()].abs().sum()) == 0
+
+
+@pytest.mark.skipif(_ON_CPU, reason="PDL")
+@pytest.mark.parametrize("fused", [False, True])
+def test_splits_without_a_tile_leave_before_the_wait(monkeypatch, fused):
+    """With PDL, splits that have no KV tile exit before griddepcontrol.wait
+    (BACKEND_LIB_DECODE_ATTN_EARLY_EXIT): the same output as when they wait, zeros for a
+    padding row, and the fused reduce's counters back at 0."""
+    ta = _attn()
+    from backend_lib import envs
+    from backend_lib.layers.triton_support import pdl_supported
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("no PDL on this GPU")
+    seed = seed_from_env("TRITON_ATTN_TEST_SEED")
+    q, k, v, bt, sl = _case([1, 70, 0, 300, 64], 32, 8, 128, 16, torch.bfloat16)
+    ref = ta.reference_paged_attention(q, k, v, bt, sl, 0.1)
+    outs = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(envs.DECODE_ATTN_EARLY_EXIT_ENV, mode)
+        for launch in range(3):
+            out = torch.full_like(q, float("nan"))
+            ta.paged_decode_attention(q, k, v, bt, sl, 0.1, out=out, num_splits=16, fused_reduce=fused, pdl=True)
+            torch.cuda.synchronize()
+            assert not torch.isnan(out).any() and (out[2] == 0).all(), (mode, launch, seed)
+            assert _rel(out, ref) < TOL[torch.bfloat16], (mode, launch, seed)
+        outs[mode] = out
+        if fused:
+            assert int(ta._COUNTERS[k.data_ptr()].abs().sum()) == 0, (mode, seed)
+    assert torch.equal(outs["on"], outs["off"]), seed
