@@ -179,12 +179,13 @@ def decode_gemv_l2_prefetch() -> str:
 
 
 # Split decode attention launched with PDL: on (splits without a KV tile exit before the PDL
-# wait, freeing the SM for the projection still running) or off (they wait, then exit).
+# wait, freeing the SM for the projection still running) or off (they wait, then exit). Off
+# until a GPU run has measured it and run its test (bench/RESULTS.md, twenty-third session).
 DECODE_ATTN_EARLY_EXIT_ENV = "BACKEND_LIB_DECODE_ATTN_EARLY_EXIT"
 
 
 def decode_attn_early_exit() -> str:
-    return _switch(DECODE_ATTN_EARLY_EXIT_ENV)
+    return _switch(DECODE_ATTN_EARLY_EXIT_ENV, default="off")
 
 
 # The most programs per (sequence, kv head) of the split decode attention (its grid is fixed

@@ -133,7 +133,7 @@ if HAS_TRITON:
         MERGE_CHUNK: tl.constexpr = 8,  # FUSED_REDUCE: splits' partial outputs loaded at once
         NEWEST_KV: tl.constexpr = False,  # each row's newest K/V come from KN/VN, not the cache
         PREFETCH_KV: tl.constexpr = True,  # NEWEST_KV: the first tile loads before the PDL wait
-        EARLY_EXIT: tl.constexpr = True,  # SPLIT + USE_PDL: splits without a tile exit before the wait
+        EARLY_EXIT: tl.constexpr = False,  # SPLIT + USE_PDL: splits without a tile exit before the wait
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
