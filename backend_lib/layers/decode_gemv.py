@@ -69,6 +69,7 @@ class GemvConfig:
     block_k: int
     num_warps: int
     split_k: int = 1   # > 1: K split over that many programs per column block (fp32 atomics)
+    ahead: int = 1     # weight tiles in flight while a tile is multiplied: 1, or 2 (NORM_AHEAD_CANDIDATES)
 
 
 DEFAULT_CONFIG = GemvConfig(8, 1024, 4)
@@ -81,6 +82,11 @@ SPLIT_K_CANDIDATES = (GemvConfig(8, 1024, 4, 2), GemvConfig(8, 512, 4, 4), GemvC
                       GemvConfig(16, 512, 4, 2), GemvConfig(16, 512, 4, 4), GemvConfig(4, 512, 4, 4),
                       GemvConfig(4, 256, 4, 8), GemvConfig(16, 256, 8, 8))
 SPLIT_K_PROLOGUES = (PLAIN, SILU_MUL, MERGE_SPLITS)   # o_proj and down, read by an add + norm prologue
+# ... and where a norm prologue runs: the second tile loads as the wait ends, so HBM streams
+# while every program reads the row for its norm (with one wave of programs, as q/k/v has,
+# nothing else would).
+NORM_AHEAD_CANDIDATES = (GemvConfig(8, 1024, 4, ahead=2), GemvConfig(4, 1024, 4, ahead=2),
+                         GemvConfig(16, 512, 4, ahead=2), GemvConfig(8, 512, 4, ahead=2))
 # A split's K slice starts on a multiple of this many elements (16-byte aligned weight loads).
 _SPLIT_ALIGN = 64
 # The most of a weight the L2 prefetch asks for: two thirds of the H100's and H200's 50 MB L2
@@ -245,7 +251,7 @@ if HAS_TRITON:
                      ATTN_BLOCK_N: tl.constexpr = 64, SPLIT_CHUNK: tl.constexpr = 8,
                      SPLIT_K: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16,
                      pf_bytes=0, pf_programs=0, L2_PREFETCH: tl.constexpr = False,
-                     PF_THREADS: tl.constexpr = 128):
+                     PF_THREADS: tl.constexpr = 128, AHEAD2: tl.constexpr = False):
         pid = tl.program_id(0)
         # SPLIT_K: this program's K slice [k_lo, k_hi) (k_per_split is K without a split);
         # Y is an fp32 accumulator the slices add into, ZERO the ring's buffer to clear.
@@ -278,6 +284,9 @@ if HAS_TRITON:
 
         HAS_RES: tl.constexpr = PROLOGUE == _K_ADD_RMSNORM
         NORM: tl.constexpr = (PROLOGUE == _K_RMSNORM) or (PROLOGUE == _K_ADD_RMSNORM)
+        if AHEAD2:  # the second tile streams while the norm's row is read
+            w_after = tl.load(w_rows + (k_lo + BLOCK_K + offs_kb)[None, :],
+                              mask=n_mask[:, None] & (k_lo + BLOCK_K + offs_kb < k_hi)[None, :], other=0.0)
         ran = 0
         if PROLOGUE == _K_MERGE_SPLITS:  # the splits that had a KV tile (seq_len 0: none, zeros)
             ran = tl.minimum(num_splits, tl.cdiv(tl.load(ATTN_SL), ATTN_BLOCK_N))
@@ -304,7 +313,12 @@ if HAS_TRITON:
             x = _chunk_x(in_a, in_b, rstd, PROLOGUE, DT)
             nxt = k0 + BLOCK_K + offs_kb
             nxt_mask = nxt < k_hi
-            w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & nxt_mask[None, :], other=0.0)
+            if AHEAD2:
+                w_next = w_after
+                far = nxt + BLOCK_K
+                w_after = tl.load(w_rows + far[None, :], mask=n_mask[:, None] & (far < k_hi)[None, :], other=0.0)
+            else:
+                w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & nxt_mask[None, :], other=0.0)
             in_a, in_b = _chunk_inputs(X, R, LNW, PART_M, PART_L, nxt, nxt_mask, k0 + BLOCK_K, ran,
                                        num_splits, K, k_hi, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -413,7 +427,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
         n, k, eps, w.stride(0), *rope_args, x, x, x, 0, zero if split else x, k_per_split,
         PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, SPLIT_K=split,
-        NORM_BLOCK=norm_block, **rope_meta, **_prefetch_meta(l2_prefetch, w, cfg), **pdl_launch(pdl))
+        NORM_BLOCK=norm_block, AHEAD2=cfg.ahead == 2, **rope_meta, **_prefetch_meta(l2_prefetch, w, cfg),
+        **pdl_launch(pdl))
     return y, new_res
 
 
@@ -492,7 +507,8 @@ def gemv_merged(parts, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
         _k_per_split(k, cfg.split_k, parts.head_dim) if split else k,
         PROLOGUE=MERGE_SPLITS, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, HEAD_DIM=parts.head_dim,
-        ATTN_BLOCK_N=parts.block_n, SPLIT_K=split, **_prefetch_meta(l2_prefetch, w, cfg), **pdl_launch(pdl))
+        ATTN_BLOCK_N=parts.block_n, SPLIT_K=split, AHEAD2=cfg.ahead == 2, **_prefetch_meta(l2_prefetch, w, cfg),
+        **pdl_launch(pdl))
     return y
 
 
@@ -668,7 +684,7 @@ class DecodeGemv:
             ln = torch.ones(k, dtype=w.dtype, device=w.device)
             rope = None if heads is None else _stand_in_rope(*heads, w.dtype, w.device)
             copies = weight_copies(w, b)
-            candidates = CANDIDATES
+            candidates = CANDIDATES + (NORM_AHEAD_CANDIDATES if prologue in (RMSNORM, ADD_RMSNORM) else ())
             ring = None
             if (prologue in SPLIT_K_PROLOGUES and heads is None and self.num_layers >= 2
                     and envs.decode_gemv_split_k() == "on"):

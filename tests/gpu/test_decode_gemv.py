@@ -60,10 +60,12 @@ def test_matches_unfused_ops(n, k, bias, dtype, prologue_name):
     x, w, b, res, ln = _case(n, k, bias, dtype, prologue)
     ref, ref_res = dg.gemv_ref(x, w, b, prologue=prologue, residual=res, ln_weight=ln, eps=1e-6)
     pdl_ok = dg.pdl_supported(torch.device(DEVICE))
-    if DEVICE == "cpu":
-        runs = [(dg.GemvConfig(4, 32, 1), False), (dg.GemvConfig(16, 64, 2), False)]
+    if DEVICE == "cpu":  # ahead 2: K of 1030 leaves a ragged last tile, 96 a second tile past K
+        runs = [(dg.GemvConfig(4, 32, 1), False), (dg.GemvConfig(16, 64, 2), False),
+                (dg.GemvConfig(8, 64, 1, ahead=2), False)]
     elif dtype == torch.bfloat16:  # the models' dtype: every candidate, launched as the model does
-        runs = [(c, pdl_ok) for c in dg.CANDIDATES] + [(dg.DEFAULT_CONFIG, False)]
+        runs = ([(c, pdl_ok) for c in dg.CANDIDATES + dg.NORM_AHEAD_CANDIDATES]
+                + [(dg.DEFAULT_CONFIG, False)])
     else:
         runs = [(dg.DEFAULT_CONFIG, pdl_ok)]
     for cfg, pdl in runs:
@@ -341,7 +343,8 @@ def test_rope_epilogue_matches_unfused_rope_and_cache_write(hq, hkv, d, bias, dt
     x, w, b, res, ln, rope = _rope_case(hq, hkv, d, bias, dtype, slot=21)
     q_ref, v_ref, kc_ref, vc_ref, res_ref = dg.gemv_rope_ref(
         x, w, b, rope, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln)
-    configs = dg.CANDIDATES if DEVICE == "cuda" else (dg.GemvConfig(4, 32, 1), dg.GemvConfig(16, 64, 2))
+    configs = (dg.CANDIDATES + dg.NORM_AHEAD_CANDIDATES if DEVICE == "cuda"
+               else (dg.GemvConfig(4, 32, 1), dg.GemvConfig(16, 64, 2), dg.GemvConfig(8, 32, 1, ahead=2)))
     for cfg in configs:
         rope.k_cache.fill_(POISON)
         rope.v_cache.fill_(POISON)
