@@ -64,13 +64,18 @@ def _log(msg: str) -> None:
 
 # ---- 1. kernel census ---------------------------------------------------------------------------
 
+def _weights_on_gpu(args) -> bool:
+    """The 8B shape on CUDA: a config folder the engine fills with random weights on the GPU
+    (load_format "dummy": writing 16 GB of safetensors would take minutes of the lease); the
+    0.5B goes through the safetensors path."""
+    return args.device == "cuda" and args.preset == "llama-3-8b"
+
+
 def build_model(args) -> str:
-    """The census's checkpoint folder. The 8B shape on CUDA is a config folder the engine fills
-    with random weights on the GPU (load_format "dummy": writing 16 GB of safetensors would
-    take minutes of the lease); the 0.5B goes through the safetensors path."""
+    """The census's checkpoint folder (_weights_on_gpu: a config folder only)."""
     mm = load_make_model()
     cuda = args.device == "cuda"
-    if cuda and args.preset == "llama-3-8b":
+    if _weights_on_gpu(args):
         from bench.decode import write_preset_config
         return write_preset_config(args.preset, args.model_dir)
     out = Path(args.model_dir) / (f"{args.preset}-random" if cuda else f"{args.preset}-small-random")
@@ -88,7 +93,7 @@ def _engine(path: str, args, cuda_graph: bool):
         max_num_seqs=max(args.batch, 1), max_num_batched_tokens=max(args.batch * args.prompt_len, max_len),
         max_model_len=max_len, block_size=bs, num_kv_blocks=args.batch * (max_len // bs) + 8,
         async_token_handoff="on", enable_cuda_graph=cuda_graph, cuda_graph_max_batch=max(args.batch, 1),
-        load_format="dummy" if path.endswith("-config") else "safetensors"))
+        load_format="dummy" if _weights_on_gpu(args) else "safetensors"))
 
 
 # The census's sampling (bench/decode.py's modes): request i's SamplingParams keywords.

@@ -148,6 +148,11 @@ if HAS_TRITON:
         return tl.reshape(o.to(DT).to(tl.float32), [BLOCK_K])
 
     @triton.jit
+    def _weight_tile(w_rows, offs, n_mask, k_hi):
+        """This program's rows at columns offs (zeros at or past k_hi, or past N)."""
+        return tl.load(w_rows + offs[None, :], mask=n_mask[:, None] & (offs < k_hi)[None, :], other=0.0)
+
+    @triton.jit
     def _prefetch_weights(W, pf_bytes, pf_programs, THREADS: tl.constexpr):
         """Programs 0 .. pf_programs - 1 (the first dispatched: one an SM) each ask L2 for
         1/pf_programs of the weight's first pf_bytes, one piece a thread. Issued before the PDL
@@ -271,8 +276,7 @@ if HAS_TRITON:
         offs_kb = tl.arange(0, BLOCK_K)
         w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
         # The first weight tile does not depend on earlier kernels: in flight before the wait.
-        w_next = tl.load(w_rows + (k_lo + offs_kb)[None, :],
-                         mask=n_mask[:, None] & (k_lo + offs_kb < k_hi)[None, :], other=0.0)
+        w_next = _weight_tile(w_rows, k_lo + offs_kb, n_mask, k_hi)
         if L2_PREFETCH:
             _prefetch_weights(W, pf_bytes, pf_programs, PF_THREADS)
         if ROPE:
@@ -285,8 +289,7 @@ if HAS_TRITON:
         HAS_RES: tl.constexpr = PROLOGUE == _K_ADD_RMSNORM
         NORM: tl.constexpr = (PROLOGUE == _K_RMSNORM) or (PROLOGUE == _K_ADD_RMSNORM)
         if AHEAD2:  # the second tile streams while the norm's row is read
-            w_after = tl.load(w_rows + (k_lo + BLOCK_K + offs_kb)[None, :],
-                              mask=n_mask[:, None] & (k_lo + BLOCK_K + offs_kb < k_hi)[None, :], other=0.0)
+            w_after = _weight_tile(w_rows, k_lo + BLOCK_K + offs_kb, n_mask, k_hi)
         ran = 0
         if PROLOGUE == _K_MERGE_SPLITS:  # the splits that had a KV tile (seq_len 0: none, zeros)
             ran = tl.minimum(num_splits, tl.cdiv(tl.load(ATTN_SL), ATTN_BLOCK_N))
@@ -315,10 +318,9 @@ if HAS_TRITON:
             nxt_mask = nxt < k_hi
             if AHEAD2:
                 w_next = w_after
-                far = nxt + BLOCK_K
-                w_after = tl.load(w_rows + far[None, :], mask=n_mask[:, None] & (far < k_hi)[None, :], other=0.0)
+                w_after = _weight_tile(w_rows, nxt + BLOCK_K, n_mask, k_hi)
             else:
-                w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & nxt_mask[None, :], other=0.0)
+                w_next = _weight_tile(w_rows, nxt, n_mask, k_hi)
             in_a, in_b = _chunk_inputs(X, R, LNW, PART_M, PART_L, nxt, nxt_mask, k0 + BLOCK_K, ran,
                                        num_splits, K, k_hi, PROLOGUE, HAS_RES, DT, BLOCK_K, HEAD_DIM, SPLIT_CHUNK)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)

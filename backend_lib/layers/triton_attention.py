@@ -558,8 +558,9 @@ def _launch_reduce(part_acc, part_m, part_l, seq_lens, out, num_heads: int, num_
 # newest_kv holds a split's first KV tile (K and V) across the PDL wait. On the H200 the tree
 # with it and the other early loads took the 0.5B shape (head_dim 64, bf16: 16 KB a tile) at
 # batch 1 from 0.581 to 0.544 ms, while the 8B shape (head_dim 128: 32 KB) was 0.19 ms a step
-# slower (bench/RESULTS.md, twenty-second session), which no projection explains: larger tiles
-# keep reading the newest token from the cache until that is measured apart.
+# slower (twenty-second session; the H100 loses 0.25 ms, twenty-third). No projection explains
+# it; the likely cause is the parked programs' larger register footprint beside the running
+# q/k/v projection (bench/RESULTS.md): larger tiles read the newest token from the cache.
 NEWEST_KV_MAX_TILE_BYTES = 16 * 1024
 
 
