@@ -84,7 +84,8 @@ SPLIT_K_CANDIDATES = (GemvConfig(8, 1024, 4, 2), GemvConfig(8, 512, 4, 4), GemvC
 SPLIT_K_PROLOGUES = (PLAIN, SILU_MUL, MERGE_SPLITS)   # o_proj and down, read by an add + norm prologue
 # ... and where a norm prologue runs: the second tile loads as the wait ends, so HBM streams
 # while every program reads the row for its norm (with one wave of programs, as q/k/v has,
-# nothing else would).
+# nothing else would). On the H100 none of them won a norm projection of the 0.5B or 8B shape
+# (bench/RESULTS.md, twenty-fourth session); tuning still times them for other shapes and cards.
 NORM_AHEAD_CANDIDATES = (GemvConfig(8, 1024, 4, ahead=2), GemvConfig(4, 1024, 4, ahead=2),
                          GemvConfig(16, 512, 4, ahead=2), GemvConfig(8, 512, 4, ahead=2))
 # A split's K slice starts on a multiple of this many elements (16-byte aligned weight loads).
