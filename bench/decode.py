@@ -310,10 +310,14 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
     bs = 16
     max_len = args.prompt_len + args.output_len + bs
     max_len = (max_len + bs - 1) // bs * bs
+    # The cache holds what the run needs; max_model_len sizes the decode graphs' block tables and
+    # with them the split decode attention's grid (a served model's is the checkpoint's).
+    model_len = max(args.max_model_len, max_len)
     cfg = EngineConfig(
         model_path=spec.path, device=args.device, dtype=args.dtype, max_num_seqs=max_b,
         max_num_batched_tokens=max(max_b * args.prompt_len, max_len),  # every prefill in one step
-        max_model_len=max_len, block_size=bs, num_kv_blocks=max_b * (max_len // bs) + 8,
+        max_model_len=model_len, block_size=bs,
+        num_kv_blocks=max(max_b * (max_len // bs), model_len // bs + 1) + 8,
         async_token_handoff=mode, enable_cuda_graph=True, cuda_graph_max_batch=max_b,
         pipeline_parallel_size=args.pp, load_format="dummy" if spec.dummy else "safetensors")
     t_init = time.perf_counter()
@@ -480,6 +484,11 @@ def parse_args(argv=None):
     ap.add_argument("--hf-max-point-s", type=float, default=90.0,
                     help="skip an HF point when 2 x the previous batch's measured run time, scaled linearly "
                          "by batch, exceeds this (0: never skip)")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="our engine's max_model_len (default 0: prompt + output + a block, the least the run "
+                         "needs). A served model takes its checkpoint's (the presets': 131072 for "
+                         "llama-3-8b, 32768 for qwen2.5-0.5b), which widens the decode graphs' block tables and so the split "
+                         "attention's grid at small batches")
     ap.add_argument("--timeline", default="qwen2.5-0.5b:8",
                     help="MODEL:BATCH whose sync and async decode steps are drawn (CUDA; '' to skip); "
                          "MODEL falls back to the first model run")
@@ -555,6 +564,7 @@ def main(argv=None) -> int:
     meta = {"device": args.device, "models": [m.name for m in models], "dtype": args.dtype,
             "prompt_len": args.prompt_len, "output_len": args.output_len, "batches": args.batch_list,
             "impls": args.impl_list, "sampling": args.sampling_list, "hf_compile": args.hf_compile,
+            "max_model_len": args.max_model_len or "prompt + output + a block",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "host": platform.node(),
             "gpu": torch.cuda.get_device_name() if cuda else None}
     try:
@@ -620,6 +630,7 @@ def main(argv=None) -> int:
     # The tables last.
     print(f"\nDecode throughput, {args.device}{' (' + meta['gpu'] + ')' if meta['gpu'] else ''}, {args.dtype}, "
           f"prompt {args.prompt_len}, output {args.output_len}, sampling {','.join(args.sampling_list)}, ignore_eos; prefill excluded; "
+          f"{'max_model_len ' + str(args.max_model_len) + '; ' if args.max_model_len else ''}"
           f"HF generate {'static cache, ' + ('compiled' if args.hf_compile else 'eager') if cuda else 'dynamic cache'}; "
           f"run took {meta['elapsed_s']:.0f} s")
     for n in notes:
