@@ -386,6 +386,9 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
         eng.close()
     del eng
     _free(args.device)
+    if args.device == "cuda":   # what a closed engine did not give back limits the engines a process can build
+        print(f"  {impl}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated after it closed",
+              file=sys.stderr, flush=True)
     return rows
 
 
