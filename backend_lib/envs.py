@@ -202,6 +202,29 @@ def decode_attn_max_splits() -> int:
     return int(v)
 
 
+# The split decode attention's tile: auto (64 KV tokens a tile for 16-bit caches, 32 for fp32;
+# 4 warps) or BLOCK_NxWARPS, e.g. 64x8 or 32x4. With head_dim 128 (Llama-3-8B) the auto tile
+# compiles to 255 registers a thread and spills 524 bytes for sm_90 (ptxas -v, Triton 3.6), and
+# every decode attention sits on the step's critical path; 64x8 (203 registers) and 32x4 (254)
+# do not spill. Not yet timed on a GPU (bench/RESULTS.md, twenty-fourth session).
+DECODE_ATTN_TILE_ENV = "BACKEND_LIB_DECODE_ATTN_TILE"
+DECODE_ATTN_TILE_BLOCK_N = (16, 32, 64, 128)
+DECODE_ATTN_TILE_WARPS = (1, 2, 4, 8)
+
+
+def decode_attn_tile() -> Optional[tuple[int, int]]:
+    """(block_n, num_warps), or None for the automatic tile."""
+    v = os.environ.get(DECODE_ATTN_TILE_ENV, "auto").strip().lower() or "auto"
+    if v == "auto":
+        return None
+    block_n, sep, warps = v.partition("x")
+    if (not sep or not block_n.isdigit() or not warps.isdigit() or int(block_n) not in DECODE_ATTN_TILE_BLOCK_N
+            or int(warps) not in DECODE_ATTN_TILE_WARPS):
+        raise ValueError(f"{DECODE_ATTN_TILE_ENV}={v!r}: must be auto or BLOCK_NxWARPS with BLOCK_N one of "
+                         f"{DECODE_ATTN_TILE_BLOCK_N} and WARPS one of {DECODE_ATTN_TILE_WARPS}")
+    return int(block_n), int(warps)
+
+
 # All-greedy steps on CUDA with the split sampler: on (layers/greedy_argmax.py, each row's
 # argmax split across ~150 chunk programs and a combine, launched with PDL, for steps of up to
 # GREEDY_ARGMAX_MAX_ROWS rows) or off (torch.argmax, which walks a row of the vocabulary with

@@ -528,9 +528,12 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(1, min(-(-target // programs), max_tiles, envs.decode_attn_max_splits()))
 
 
-def _decode_tiling(k_cache: torch.Tensor) -> tuple[int, int]:
-    """(block_n, num_stages) of the split decode kernel for the cache's dtype."""
-    return (32, 2) if k_cache.element_size() >= 4 else (64, 3)
+def _decode_tiling(k_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block_n, num_stages, num_warps) of the split decode kernel for the cache's dtype, or
+    the tile BACKEND_LIB_DECODE_ATTN_TILE names."""
+    block_n, num_stages = (32, 2) if k_cache.element_size() >= 4 else (64, 3)
+    tile = envs.decode_attn_tile()
+    return (block_n, num_stages, 4) if tile is None else (tile[0], num_stages, tile[1])
 
 
 def _partial_buffers(n: int, dp: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -567,7 +570,7 @@ NEWEST_KV_MAX_TILE_BYTES = 16 * 1024
 def newest_kv_pays(k_cache: torch.Tensor) -> bool:
     """Whether a one-token step's decode attention should take newest_kv (the tile size it
     was measured faster at)."""
-    block_n, _ = _decode_tiling(k_cache)
+    block_n, _, _ = _decode_tiling(k_cache)
     return 2 * block_n * k_cache.shape[-1] * k_cache.element_size() <= NEWEST_KV_MAX_TILE_BYTES
 
 
@@ -627,7 +630,7 @@ def paged_decode_attention(
     *,
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
-    num_warps: int = 4,
+    num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     pdl: bool = False,
     fused_reduce: Optional[bool] = None,
@@ -659,9 +662,10 @@ def paged_decode_attention(
     if bsz == 0:
         return out
 
-    default_block_n, default_stages = _decode_tiling(k_cache)
+    default_block_n, default_stages, default_warps = _decode_tiling(k_cache)
     block_n = default_block_n if block_n is None else block_n
     num_stages = default_stages if num_stages is None else num_stages
+    num_warps = default_warps if num_warps is None else num_warps
     max_blocks = block_tables.shape[1]
     if num_splits is None:
         num_splits = decode_num_splits(bsz, hkv, max_blocks, page, block_n, num_sms(q.device))
@@ -712,7 +716,7 @@ def paged_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale: fl
     if d & (d - 1):
         raise ValueError(f"paged_decode_partials: head_dim {d} must be a power of 2")
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
-    block_n, num_stages = _decode_tiling(k_cache)
+    block_n, num_stages, num_warps = _decode_tiling(k_cache)
     if num_splits is None:
         num_splits = decode_num_splits(1, hkv, block_tables.shape[1], page, block_n, num_sms(q.device))
     num_splits = max(1, int(num_splits))
@@ -720,7 +724,7 @@ def paged_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale: fl
     parts = DecodePartials(acc=acc.view(hq * num_splits, d), m=m, l=l, seq_lens=seq_lens, num_splits=num_splits,
                            block_n=block_n, num_heads=hq, head_dim=d, dtype=q.dtype)
     _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, q, parts.acc, parts.m, parts.l, None, scale,
-                   num_splits, block_n, checked=(page, hkv, d, hq, g), split=True, pdl=pdl, num_warps=4,
+                   num_splits, block_n, checked=(page, hkv, d, hq, g), split=True, pdl=pdl, num_warps=num_warps,
                    num_stages=num_stages, newest_kv=newest_kv)
     return parts
 

@@ -148,3 +148,39 @@ def test_splits_without_a_tile_leave_before_the_wait(monkeypatch, fused):
         if fused:
             assert int(ta._COUNTERS[k.data_ptr()].abs().sum()) == 0, (mode, seed)
     assert torch.equal(outs["on"], outs["off"]), seed
+
+
+@pytest.mark.parametrize("tile", ["16x2", "32x4", "64x8"])
+def test_the_tile_switch_sets_the_decode_tile(monkeypatch, tile):
+    """BACKEND_LIB_DECODE_ATTN_TILE=BLOCK_NxWARPS reaches both decode launches (the batched
+    kernel, and the one-row partials that o_proj merges), whose outputs still equal the
+    reference; a tile outside the lists is refused, naming them."""
+    import inspect
+    ta = _attn()
+    from backend_lib import envs
+    seed = seed_from_env("TRITON_ATTN_TEST_SEED")
+    dtype = DTYPES[0]
+    launched = []
+    real = ta._launch_decode
+
+    def recording(*a, **kw):
+        args = inspect.signature(real).bind(*a, **kw).arguments
+        launched.append((args["block_n"], args["num_warps"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ta, "_launch_decode", recording)
+    monkeypatch.setenv(envs.DECODE_ATTN_TILE_ENV, tile)
+    want = tuple(int(x) for x in tile.split("x"))
+    q, k, v, bt, sl = _case([1, 70, 0, 130], 8, 2, 32, 16, dtype)
+    ref = ta.reference_paged_attention(q, k, v, bt, sl, 0.2)
+    out = ta.paged_decode_attention(q, k, v, bt, sl, 0.2, num_splits=3)
+    assert _rel(out, ref) < TOL[dtype], (tile, seed)
+    row = slice(3, 4)
+    parts = ta.paged_decode_partials(q[row], k, v, bt[row], sl[row], 0.2, num_splits=2)
+    assert parts.block_n == want[0]
+    assert _rel(ta.merge_decode_partials(parts), ref[row]) < TOL[dtype], (tile, seed)
+    assert launched == [want, want]
+    monkeypatch.setenv(envs.DECODE_ATTN_TILE_ENV, "64x3")
+    with pytest.raises(ValueError, match=r"BACKEND_LIB_DECODE_ATTN_TILE='64x3': must be auto or BLOCK_NxWARPS "
+                                         r"with BLOCK_N one of \(16, 32, 64, 128\) and WARPS one of \(1, 2, 4, 8\)"):
+        ta.paged_decode_attention(q, k, v, bt, sl, 0.2, num_splits=3)
