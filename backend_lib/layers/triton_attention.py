@@ -561,9 +561,10 @@ def _launch_reduce(part_acc, part_m, part_l, seq_lens, out, num_heads: int, num_
 # newest_kv holds a split's first KV tile (K and V) across the PDL wait. On the H200 the tree
 # with it and the other early loads took the 0.5B shape (head_dim 64, bf16: 16 KB a tile) at
 # batch 1 from 0.581 to 0.544 ms, while the 8B shape (head_dim 128: 32 KB) was 0.19 ms a step
-# slower (twenty-second session; the H100 loses 0.25 ms, twenty-third). No projection explains
-# it; the likely cause is the parked programs' larger register footprint beside the running
-# q/k/v projection (bench/RESULTS.md): larger tiles read the newest token from the cache.
+# slower (twenty-second session; the H100 loses 0.25 ms, twenty-third and twenty-fourth). No
+# projection explains it, nor do empty splits (that run's grid had almost none), nor registers
+# (254 against 255 without it, for sm_90); it adds 14 KB of shared memory a program
+# (bench/RESULTS.md twenty-fourth session). Larger tiles read the newest token from the cache.
 NEWEST_KV_MAX_TILE_BYTES = 16 * 1024
 
 
