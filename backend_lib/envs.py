@@ -225,6 +225,23 @@ def decode_attn_tile() -> Optional[tuple[int, int]]:
     return int(block_n), int(warps)
 
 
+# Threads that compile start-up tuning's Triton candidates at once (layers/triton_support.py
+# compile_in_parallel, Triton's AsyncCompileMode): with a cold Triton cache, compiling them one
+# after another took most of an engine's start (0.5B: 38.4 s against 3.6 s for the issue-12
+# tree, which compiled none; bench/RESULTS.md twenty-fourth session). 0 or 1: one at a time.
+# Default: the CPUs, at most 16.
+COMPILE_THREADS_ENV = "BACKEND_LIB_COMPILE_THREADS"
+
+
+def compile_threads() -> int:
+    v = os.environ.get(COMPILE_THREADS_ENV, "").strip()
+    if not v:
+        return min(16, os.cpu_count() or 1)
+    if not v.isdigit():
+        raise ValueError(f"{COMPILE_THREADS_ENV}={v!r}: must be a whole number >= 0")
+    return int(v)
+
+
 # All-greedy steps on CUDA with the split sampler: on (layers/greedy_argmax.py, each row's
 # argmax split across ~150 chunk programs and a combine, launched with PDL, for steps of up to
 # GREEDY_ARGMAX_MAX_ROWS rows) or off (torch.argmax, which walks a row of the vocabulary with

@@ -45,6 +45,7 @@ the decode step runs them.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field, replace
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 from .. import envs
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
-from .triton_support import l2_prefetch, num_sms, pdl_launch, pdl_release_dependents, pdl_supported  # noqa: F401
+from .triton_support import compile_in_parallel, l2_prefetch, num_sms, pdl_launch, pdl_release_dependents, pdl_supported  # noqa: F401,E501
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +371,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
          cfg: GemvConfig = DEFAULT_CONFIG, pdl: bool = False, rope: Optional[RopeKV] = None,
          early_release: bool = True,
          out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None,
-         zero: Optional[torch.Tensor] = None, l2_prefetch: bool = False,
+         zero: Optional[torch.Tensor] = None, l2_prefetch: bool = False, warmup: bool = False,
          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x [1, K] (SILU_MUL: [1, 2K]) -> (y [1, N], new residual or None). ADD_RMSNORM returns
     x + residual as the new residual (into residual_out when given: the tests poison it).
@@ -379,7 +380,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     cfg.split_k > 1: y is `out`, an fp32 [1, N] accumulator that must be zero, and `zero`
     (fp32 [1, N], another buffer) is set to 0 (AccumulatorRing.for_layer gives both).
     l2_prefetch: the first programs ask L2 for the weight before their PDL wait (Hopper, a
-    contiguous 16-byte aligned weight; ignored elsewhere: _prefetch_meta)."""
+    contiguous 16-byte aligned weight; ignored elsewhere: _prefetch_meta). warmup: compile the
+    launch's kernel without running it (JITFunction.warmup; compile_in_parallel)."""
     if not supported(x, w, prologue):
         raise ValueError(f"decode_gemv: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          "not supported (one contiguous row, w's rows contiguous, one dtype (fp32 x "
@@ -424,7 +426,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
         new_res = torch.empty_like(residual) if residual_out is None else residual_out
     k_per_split = _k_per_split(k, cfg.split_k) if split else k
     norm_block = min(triton.next_power_of_2(k), _NORM_BLOCK_MAX) if prologue in (RMSNORM, ADD_RMSNORM) else 16
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    launch = functools.partial(_gemv_kernel.warmup, grid=grid) if warmup else _gemv_kernel[grid]
+    launch(
         x, residual if residual is not None else x, ln_weight if ln_weight is not None else x,
         w, b if b is not None else w, y, new_res if new_res is not None else y,
         n, k, eps, w.stride(0), *rope_args, x, x, x, 0, zero if split else x, k_per_split,
@@ -694,11 +698,13 @@ class DecodeGemv:
                 candidates = CANDIDATES + SPLIT_K_CANDIDATES
                 ring = AccumulatorRing.create(2, w.shape[0], w.device)
 
-            def fused(c):
+            def fused(c, warmup=False):
                 acc, zero = ring.for_layer(0) if c.split_k > 1 else (None, None)
                 return lambda xx, ww, bb: gemv(xx, ww, bb, prologue=prologue, residual=res, ln_weight=ln, cfg=c,
                                                pdl=self.pdl, rope=rope, early_release=self.early_release,
-                                               out=acc, zero=zero)
+                                               out=acc, zero=zero, warmup=warmup)
+
+            compile_in_parallel(lambda c=c: fused(c, warmup=True)(x, w, b) for c in candidates)
 
             times = time_candidates(
                 lambda xx, ww, bb: self.unfused(xx, lambda t: F.linear(t, ww, bb), prologue, res, ln, rope=rope),

@@ -3,6 +3,8 @@ kernel modules import it from here and fall back to their torch definitions with
 from __future__ import annotations
 
 import functools
+import logging
+from typing import Callable, Iterable
 
 import torch
 
@@ -44,6 +46,32 @@ else:  # pragma: no cover - depends on the environment
 
 # kernels also run on CPU tensors, in Triton's interpreter (TRITON_INTERPRET=1)
 INTERPRET = envs.triton_interpret()
+
+logger = logging.getLogger(__name__)
+
+
+def compile_in_parallel(warmups: Iterable[Callable[[], object]]) -> int:
+    """Run `warmups` (each a JITFunction.warmup call with a launch's arguments) under Triton's
+    AsyncCompileMode, so their kernels compile in a pool of BACKEND_LIB_COMPILE_THREADS threads
+    (Triton's compiler releases the GIL for most of its work) and later launches find them
+    compiled. Start-up tuning compiles a dozen candidates a projection; one after another, that
+    was most of an engine's start. A warmup that fails is skipped: its launch compiles it then,
+    or reports the error, as without this. Returns how many warmups were submitted (0 where
+    there is nothing to gain: the interpreter, one thread, a Triton without AsyncCompileMode)."""
+    mode = getattr(triton, "AsyncCompileMode", None)
+    threads = envs.compile_threads()
+    if mode is None or INTERPRET or threads <= 1:
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+    submitted = 0
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, mode(pool, ignore_errors=True):
+        for warmup in warmups:
+            try:
+                warmup()
+                submitted += 1
+            except Exception as e:  # noqa: BLE001 - the launch itself will compile or report it
+                logger.debug("compile_in_parallel: a warmup failed (%s: %s)", type(e).__name__, e)
+    return submitted
 
 
 @functools.lru_cache(maxsize=None)

@@ -239,9 +239,40 @@ def test_tune_picks_a_candidate_per_shape():
                                   (dg.ADD_RMSNORM, 1152, 896, False, False),
                                   (dg.PLAIN, 1152, 896, False, False)}
     for key, cfg in table.configs.items():
-        assert cfg is None or cfg in dg.CANDIDATES  # None: the unfused ops measured faster
+        # None: the unfused ops measured faster
+        assert cfg is None or cfg in dg.CANDIDATES + dg.NORM_AHEAD_CANDIDATES + dg.SPLIT_K_CANDIDATES
         assert None in table.timings[key]
         assert table.timings[key][cfg] == min(table.timings[key].values())
+
+
+@pytest.mark.skipif(_ON_CPU, reason="compiles for the GPU")
+def test_candidates_compiled_in_parallel_launch_without_compiling_again(monkeypatch):
+    """Start-up tuning's warmups (compile_in_parallel, Triton's AsyncCompileMode) leave every
+    candidate compiled under the key its launch looks up: the launches that follow add nothing
+    to the kernel cache, and their outputs equal the reference."""
+    import triton
+    from backend_lib import envs
+    dg = _dg()
+    monkeypatch.setenv(envs.COMPILE_THREADS_ENV, "4")
+    x, w, b, res, ln = _case(1000, 1000, True, torch.bfloat16, dg.ADD_RMSNORM)   # shapes no other test uses
+    cands = dg.CANDIDATES + dg.NORM_AHEAD_CANDIDATES
+    pdl = dg.pdl_supported(torch.device(DEVICE))
+
+    def run(c, warmup=False):
+        return dg.gemv(x, w, b, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln, cfg=c, pdl=pdl, warmup=warmup)
+
+    submitted = dg.compile_in_parallel(lambda c=c: run(c, warmup=True) for c in cands)
+    if getattr(triton, "AsyncCompileMode", None) is None:
+        assert submitted == 0
+        pytest.skip("this Triton has no AsyncCompileMode: tuning compiles one kernel at a time")
+    assert submitted == len(cands)
+    cache = dg._gemv_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(cache)
+    ref, ref_res = dg.gemv_ref(x, w, b, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln, eps=1e-6)
+    for c in cands:
+        y, new_res = run(c)
+        assert _rel(y, ref) < TOL[torch.bfloat16] and torch.equal(new_res, ref_res), c
+    assert len(cache) == compiled, "a launch compiled its kernel again"
 
 
 @pytest.mark.skipif(_ON_CPU, reason="compiled PTX")
