@@ -226,10 +226,10 @@ def decode_attn_tile() -> Optional[tuple[int, int]]:
 
 
 # Threads that compile start-up tuning's Triton candidates at once (layers/triton_support.py
-# compile_in_parallel, Triton's AsyncCompileMode): with a cold Triton cache, compiling them one
-# after another took most of an engine's start (0.5B: 38.4 s against 3.6 s for the issue-12
-# tree, which compiled none; bench/RESULTS.md twenty-fourth session). 0 or 1: one at a time.
-# Default: the CPUs, at most 16.
+# compile_in_parallel, Triton's AsyncCompileMode): they are most of the kernels an engine
+# compiles at start, and with a cold Triton cache its start grew with them (0.5B on an H100:
+# 38.4 s against 3.6 s for the issue-12 tree, which compiles no gemv; bench/RESULTS.md
+# twenty-fourth session). 0 or 1: one at a time. Default: the CPUs, at most 16.
 COMPILE_THREADS_ENV = "BACKEND_LIB_COMPILE_THREADS"
 
 

@@ -54,8 +54,8 @@ def compile_in_parallel(warmups: Iterable[Callable[[], object]]) -> int:
     """Run `warmups` (each a JITFunction.warmup call with a launch's arguments) under Triton's
     AsyncCompileMode, so their kernels compile in a pool of BACKEND_LIB_COMPILE_THREADS threads
     (Triton's compiler releases the GIL for most of its work) and later launches find them
-    compiled. Start-up tuning compiles a dozen candidates a projection; one after another, that
-    was most of an engine's start. A warmup that fails is skipped: its launch compiles it then,
+    compiled. Start-up tuning compiles a dozen candidates a projection shape, most of the
+    kernels an engine compiles at start. A warmup that fails is skipped: its launch compiles it then,
     or reports the error, as without this. Returns how many warmups were submitted (0 where
     there is nothing to gain: the interpreter, one thread, a Triton without AsyncCompileMode)."""
     mode = getattr(triton, "AsyncCompileMode", None)
