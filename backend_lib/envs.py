@@ -195,11 +195,19 @@ def decode_attn_early_exit() -> str:
 DECODE_ATTN_MAX_SPLITS_ENV = "BACKEND_LIB_DECODE_ATTN_MAX_SPLITS"
 
 
-def decode_attn_max_splits() -> int:
-    v = os.environ.get(DECODE_ATTN_MAX_SPLITS_ENV, "64").strip() or "64"
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"{DECODE_ATTN_MAX_SPLITS_ENV}={v!r}: must be a whole number >= 1")
+def _whole_number(name: str, minimum: int) -> Optional[int]:
+    """The variable as a whole number >= minimum; None when unset or empty."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < minimum:
+        raise ValueError(f"{name}={v!r}: must be a whole number >= {minimum}")
     return int(v)
+
+
+def decode_attn_max_splits() -> int:
+    v = _whole_number(DECODE_ATTN_MAX_SPLITS_ENV, 1)
+    return 64 if v is None else v
 
 
 # The split decode attention's tile: auto (64 KV tokens a tile for 16-bit caches, 32 for fp32;
@@ -234,12 +242,8 @@ COMPILE_THREADS_ENV = "BACKEND_LIB_COMPILE_THREADS"
 
 
 def compile_threads() -> int:
-    v = os.environ.get(COMPILE_THREADS_ENV, "").strip()
-    if not v:
-        return min(16, os.cpu_count() or 1)
-    if not v.isdigit():
-        raise ValueError(f"{COMPILE_THREADS_ENV}={v!r}: must be a whole number >= 0")
-    return int(v)
+    v = _whole_number(COMPILE_THREADS_ENV, 0)
+    return min(16, os.cpu_count() or 1) if v is None else v
 
 
 # All-greedy steps on CUDA with the split sampler: on (layers/greedy_argmax.py, each row's

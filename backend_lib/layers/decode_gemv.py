@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from .. import envs
 from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' globals
 from .triton_support import INTERPRET as _INTERPRET
-from .triton_support import compile_in_parallel, l2_prefetch, num_sms, pdl_launch, pdl_release_dependents, pdl_supported  # noqa: F401,E501
+from .triton_support import compile_in_parallel, l2_prefetch, num_sms, pdl_launch  # noqa: F401
+from .triton_support import pdl_release_dependents, pdl_supported  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
