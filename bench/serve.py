@@ -537,6 +537,21 @@ class TritonServer:
         lines = [l for l in text.splitlines() if any(f'model="{m}"' in l for m in models)]
         return {name: _series_sum(lines, name) for name in names}
 
+    def counters_covering(self, before: dict[str, float], timeout_s: float = 15.0) -> dict[str, float]:
+        """POINT_COUNTERS once the llm model's exported engine stats cover every request Triton
+        has ended since `before`. The model exports them from its monitor thread every stats
+        interval, and a busy host can hold that thread up for longer than a point: read too
+        early, the point's steps are not there yet. After timeout_s, what there is."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            after = self.metric_sums(POINT_COUNTERS)
+            ended = sum(after[k] - before[k] for k in ("nv_inference_request_success", "nv_inference_request_failure"))
+            # the engine's finished requests, and those the model turned away before the engine
+            finished = sum(after[k] - before[k] for k in ("llm_requests_finished_total", "llm_requests_rejected_total"))
+            if finished >= ended or time.monotonic() >= deadline:  # False while a read failed (nan)
+                return after
+            time.sleep(0.1)
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -662,6 +677,7 @@ POINT_COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure"
                   "llm_response_send_seconds_total", "llm_async_steps_total", "llm_sync_steps_total",
                   "llm_gpu_idle_gap_seconds_sum", "llm_step_seconds_total", "llm_step_gpu_wait_seconds_total",
                   "llm_generation_tokens_total", "llm_prefill_steps_total", "llm_step_host_cpu_seconds_total",
+                  "llm_requests_finished_total", "llm_requests_rejected_total",
                   *(f'llm_step_phase_seconds_total{{phase="{p}"}}' for p in HOST_PHASES))
 
 
@@ -692,8 +708,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     t1 = time.perf_counter()
     cpu1 = proc_cpu.thread_cpu(srv.proc.pid)
     gpu = busy.mean(t0, t1)
-    time.sleep(0.5)  # the llm model exports its send totals with its stats, every 200 ms
-    after = srv.metric_sums(POINT_COUNTERS)
+    after = srv.counters_covering(before)
     d = {k: after[k] - before[k] for k in POINT_COUNTERS}
     failures = d["nv_inference_request_failure"]
     sent, send_s = d["llm_responses_sent_total"], d["llm_response_send_seconds_total"]
