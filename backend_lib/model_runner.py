@@ -159,6 +159,14 @@ class ModelRunner:
         return MixedGraphs(self._mixed_program, self.device, mixed_buckets(tokens, cfg.max_num_seqs),
                            self.scratch_slot, stand_in=stand_in, out_shape=_decode_out_shape)
 
+    def close(self) -> None:
+        """Drop the captured graphs. Each holds a bound program of this runner, a reference
+        cycle that the engine's gc.freeze() keeps from the collector: left in place, the
+        model, KV cache and graph pools would stay allocated after the engine is gone.
+        Later steps run eagerly."""
+        self.decode_graphs = None
+        self.mixed_graphs = None
+
     @property
     def graphs(self) -> dict:
         return self.decode_graphs.graphs if self.decode_graphs is not None else {}

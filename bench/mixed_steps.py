@@ -197,9 +197,9 @@ def main(argv=None) -> None:
             profile_point(eng, timer, args, vocab)
         eng.close()
         del eng, timer
-        # The engine gc.freeze()s its start-up heap, which holds reference cycles (the runner
-        # <-> its graphs' programs): unfrozen, a collection frees its device memory before the
-        # next engine sizes its KV cache from what is free.
+        # The engine gc.freeze()s its start-up heap; close() breaks the runner's own cycles,
+        # and unfrozen, a collection also frees any other cycle there before the next engine
+        # sizes its KV cache from what is free.
         import gc
         gc.unfreeze()
         gc.collect()

@@ -337,8 +337,8 @@ def new_engine(params: dict[str, str], process: bool = False, **overrides):
 def free_engine(eng) -> None:
     eng.shutdown()
     del eng
-    # The engine gc.freeze()s its start-up heap, and that heap holds reference cycles (the
-    # runner <-> its graphs' programs): unfrozen, a collection frees its device memory.
+    # The engine gc.freeze()s its start-up heap; close() breaks the runner's own cycles, and
+    # unfrozen, a collection also frees any other cycle there before the next engine starts.
     gc.unfreeze()
     gc.collect()
     try:
