@@ -246,6 +246,22 @@ def compile_threads() -> int:
     return min(16, os.cpu_count() or 1) if v is None else v
 
 
+# Where start-up tuning keeps its picks (layers/tuning_cache.py): a folder (default
+# $XDG_CACHE_HOME/backend_lib/tuning, ~/.cache/backend_lib/tuning without it), or off to time
+# every candidate at every start.
+TUNING_CACHE_ENV = "BACKEND_LIB_TUNING_CACHE"
+
+
+def tuning_cache_dir() -> Optional[str]:
+    raw = os.environ.get(TUNING_CACHE_ENV, "").strip()
+    if raw.lower() in ("off", "0", "none"):
+        return None
+    if raw:
+        return os.path.expanduser(raw)
+    cache_home = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache")
+    return os.path.expanduser(os.path.join(cache_home, "backend_lib", "tuning"))
+
+
 # All-greedy steps on CUDA with the split sampler: on (layers/greedy_argmax.py, each row's
 # argmax split across ~150 chunk programs and a combine, launched with PDL, for steps of up to
 # GREEDY_ARGMAX_MAX_ROWS rows) or off (torch.argmax, which walks a row of the vocabulary with

@@ -9,7 +9,11 @@ building them first if missing or stale (the script's stamp makes this a no-op o
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,16 @@ MODELS_DIR = REPO_ROOT / "models"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from backend_lib.envs import TUNING_CACHE_ENV  # noqa: E402
 from scripts import load_make_model  # noqa: E402
+
+# Start-up tuning keeps its picks (backend_lib/layers/tuning_cache.py) in a folder of this run,
+# not the user's cache (engines and servers the tests start inherit it): a run neither reads
+# nor leaves picks of another.
+if TUNING_CACHE_ENV not in os.environ:
+    _PICKS = tempfile.mkdtemp(prefix="tuning-picks-")
+    os.environ[TUNING_CACHE_ENV] = _PICKS
+    atexit.register(shutil.rmtree, _PICKS, True)
 
 
 def _cuda_available() -> bool:

@@ -49,6 +49,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -59,10 +60,13 @@ from .triton_support import HAS_TRITON, tl, triton  # noqa: F401 - the kernels' 
 from .triton_support import INTERPRET as _INTERPRET
 from .triton_support import compile_in_parallel, l2_prefetch, num_sms, pdl_launch  # noqa: F401
 from .triton_support import pdl_release_dependents, pdl_supported  # noqa: F401
+from .tuning_cache import MISS, TuningCache
 
 logger = logging.getLogger(__name__)
 
 PLAIN, RMSNORM, ADD_RMSNORM, SILU_MUL, MERGE_SPLITS = 0, 1, 2, 3, 4
+_PROLOGUE_NAMES = {PLAIN: "plain", RMSNORM: "rmsnorm", ADD_RMSNORM: "add_rmsnorm", SILU_MUL: "silu_mul",
+                   MERGE_SPLITS: "merge_splits"}
 
 
 @dataclass(frozen=True)
@@ -589,6 +593,7 @@ class DecodeGemv:
     configs: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     rings: dict = field(default_factory=dict)   # shape key -> AccumulatorRing (split-K shapes)
+    picks: TuningCache = field(default_factory=lambda: TuningCache(None))   # kept picks (default: none)
 
     def run(self, x, proj, prologue=PLAIN, residual=None, ln_weight=None, eps=1e-6,
             rope: Optional[RopeKV] = None, layer: Optional[int] = None, after_attention: bool = False):
@@ -679,12 +684,27 @@ class DecodeGemv:
         Each candidate is timed as 50 calls in one graph over weight copies larger than L2
         (each layer's weights are cold); the unfused ops are timed the same way, rope included.
         Split-K candidates are timed where the output may be an accumulator (SPLIT_K_PROLOGUES,
-        no rope) and the forward has the 2 layers a ring needs."""
+        no rope) and the forward has the 2 layers a ring needs. A pick that `picks` kept from
+        an earlier engine or start is taken without timing (layers/tuning_cache.py)."""
         from .accumulator_ring import AccumulatorRing
         from .skinny_gemm import time_candidates, weight_copies
         for prologue, w, b, heads in cases:
             key = shape_key(prologue, w, b, heads is not None)
             if key in self.configs:
+                continue
+            split_k = (prologue in SPLIT_K_PROLOGUES and heads is None and self.num_layers >= 2
+                       and envs.decode_gemv_split_k() == "on")
+            if split_k:
+                candidates = CANDIDATES + SPLIT_K_CANDIDATES
+            else:
+                candidates = CANDIDATES + (NORM_AHEAD_CANDIDATES if prologue in (RMSNORM, ADD_RMSNORM) else ())
+            # the shape key and everything else that changes the kernel or what it is timed against
+            kept_as = (f"{_PROLOGUE_NAMES[prologue]} {tuple(w.shape)} {w.dtype} bias={b is not None} rope={heads} "
+                       f"pdl={self.pdl} early_release={self.early_release} l2_prefetch={self.l2_prefetch} "
+                       f"split_k={split_k}")
+            kept = self.picks.get(kept_as, candidates)
+            if kept is not MISS:
+                self.configs[key] = kept
                 continue
             k = w.shape[1]
             x = torch.randn(1, 2 * k if prologue == SILU_MUL else k, dtype=w.dtype, device=w.device)
@@ -692,12 +712,7 @@ class DecodeGemv:
             ln = torch.ones(k, dtype=w.dtype, device=w.device)
             rope = None if heads is None else _stand_in_rope(*heads, w.dtype, w.device)
             copies = weight_copies(w, b)
-            candidates = CANDIDATES + (NORM_AHEAD_CANDIDATES if prologue in (RMSNORM, ADD_RMSNORM) else ())
-            ring = None
-            if (prologue in SPLIT_K_PROLOGUES and heads is None and self.num_layers >= 2
-                    and envs.decode_gemv_split_k() == "on"):
-                candidates = CANDIDATES + SPLIT_K_CANDIDATES
-                ring = AccumulatorRing.create(2, w.shape[0], w.device)
+            ring = AccumulatorRing.create(2, w.shape[0], w.device) if split_k else None
 
             def fused(c, warmup=False):
                 acc, zero = ring.for_layer(0) if c.split_k > 1 else (None, None)
@@ -713,12 +728,21 @@ class DecodeGemv:
             del copies
             self.configs[key] = min(times, key=times.get)
             self.timings[key] = times
+            self.picks.put(kept_as, self.configs[key], times[self.configs[key]])
         fused = sum(c is not None for c in self.configs.values())
         logger.info("decode gemv: %d of %d shapes fused (pdl=%s)", fused, len(self.configs), self.pdl)
         for key, cfg in self.configs.items():
-            t = self.timings.get(key, {})
+            t = self.timings.get(key)
+            if t is None:
+                logger.info("decode gemv %s: %s (kept in %s)", key, cfg, self.picks.path)
+                continue
             logger.info("decode gemv %s: %s, %.2f µs (unfused %.2f µs)", key, cfg,
                         t.get(cfg, float("nan")), t.get(None, float("nan")))
+
+
+# What a kept pick depends on besides its key: the kernel, how splits accumulate, how it is timed.
+_KERNEL_SOURCES = tuple(str(Path(__file__).with_name(f)) for f in
+                        ("decode_gemv.py", "triton_support.py", "accumulator_ring.py", "skinny_gemm.py"))
 
 
 def install(model, mode: str) -> Optional[DecodeGemv]:
@@ -733,7 +757,8 @@ def install(model, mode: str) -> Optional[DecodeGemv]:
     table = DecodeGemv(pdl=(mode in ("on", "pdl", "implicit") and pdl_supported(device)),
                        rope=(mode in ("on", "implicit")), early_release=(mode != "implicit"),
                        merge_attention=envs.decode_attn_reduce() == "oproj", num_layers=len(model.layers),
-                       l2_prefetch=envs.decode_gemv_l2_prefetch())
+                       l2_prefetch=envs.decode_gemv_l2_prefetch(),
+                       picks=TuningCache.open("decode_gemv", device, _KERNEL_SOURCES))
     s = model.shape
     # The model's forward_one_token decides the same: Qwen3's q/k norm keeps rope apart.
     heads = (s.num_heads, s.num_kv_heads, s.head_dim) if table.rope and not s.qk_norm else None
