@@ -140,6 +140,7 @@ def build_engine(args, submission: str = "inline", lookahead: int = 1, extra: di
         kw["step_lookahead"] = lookahead
     from bench.decode import model_kwargs
     kw.update(model_kwargs(args.preset, args.model))
+    kw.update(getattr(args, "set", None) or {})
     kw.update(extra or {})
     if args.device == "cpu":
         per_seq = (args.prompt_len + 16 + args.warmup + args.steps + 8) // 16 + 2
@@ -415,6 +416,22 @@ def run_json_child(module: str, argv: list[str], env: dict | None = None) -> dic
         os.unlink(out)
 
 
+def _engine_field(text: str) -> tuple[str, str]:
+    from backend_lib.config import engine_parameter_names
+    name, sep, value = text.partition("=")
+    if not sep or name.strip() not in engine_parameter_names():
+        raise argparse.ArgumentTypeError(f"{text!r}: must be FIELD=VALUE with an EngineConfig field")
+    return name.strip(), value.strip()
+
+
+def _engine_fields(pairs: list[tuple[str, str]]) -> dict:
+    """--set pairs as EngineConfig values (typed as from config.pbtxt)."""
+    import dataclasses
+    from backend_lib.config import EngineConfig
+    typed = dataclasses.asdict(EngineConfig.from_parameters(dict(pairs)))
+    return {name: typed[name] for name, _ in pairs}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(p)
@@ -443,12 +460,16 @@ def main(argv=None) -> None:
                         "before it asks for it; Python's default is 5 ms)")
     p.add_argument("--submission", default=["inline"], type=lambda s: [x.strip() for x in s.split(",")],
                    help="step_submission modes to measure, e.g. inline,thread (a fresh engine each)")
+    p.add_argument("--set", action="append", type=_engine_field, default=[],
+                   help="FIELD=VALUE: an EngineConfig field as config.pbtxt spells it (repeatable), "
+                        "e.g. max_num_batched_tokens=8192 as the served `large` engine has")
     p.add_argument("--sections", action="store_true",
                    help="also time parts of the phases (block hashing, table updates, mixed packing, "
                         "graph replays): one more table")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.set = _engine_fields(args.set)
     if args.repeat < 1 or (args.repeat > 1 and not args.compare):
         p.error("--repeat is a number of before/after pairs (>= 1), with --compare")
     if args.compare and (args.submission != ["inline"] or args.lookahead != [1]):
