@@ -124,6 +124,15 @@ def engine_parameter_names() -> list[str]:
     return [f.name for f in dataclasses.fields(EngineConfig)]
 
 
+def parameter_value(name: str, raw: str) -> Any:
+    """One EngineConfig field's value from its config.pbtxt string, unchecked against the
+    others (ValueError names the field)."""
+    field = {f.name: f for f in dataclasses.fields(EngineConfig)}.get(name)
+    if field is None:
+        raise ValueError(f"parameter {name!r}: not an EngineConfig field")
+    return _coerce(name, field.type, raw)
+
+
 def _coerce(name: str, type_name: Any, raw: Any) -> Any:
     text = str(raw).strip()
     t = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", str(type_name))

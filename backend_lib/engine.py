@@ -260,6 +260,9 @@ class LLMEngine:
         """Stop the submission thread and what the runner owns outside this process
         (pipeline stages); idempotent."""
         self._close_submission()
+        if self.submission.is_alive():   # a launch that never returned may still replay a graph
+            logger.error("the step submission thread did not stop: the runner is left open")
+            return
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

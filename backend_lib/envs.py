@@ -253,13 +253,17 @@ TUNING_CACHE_ENV = "BACKEND_LIB_TUNING_CACHE"
 
 
 def tuning_cache_dir() -> Optional[str]:
+    """The folder, absolute; None: off (also without a home folder to put the default in)."""
     raw = os.environ.get(TUNING_CACHE_ENV, "").strip()
-    if raw.lower() in ("off", "0", "none"):
+    if raw.lower() in ("off", "0", "false", "no", "none"):
         return None
     if raw:
-        return os.path.expanduser(raw)
-    cache_home = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache")
-    return os.path.expanduser(os.path.join(cache_home, "backend_lib", "tuning"))
+        return os.path.abspath(os.path.expanduser(raw))
+    cache_home = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if not os.path.isabs(cache_home):   # the XDG spec: a relative value is ignored
+        cache_home = os.path.join("~", ".cache")
+    folder = os.path.expanduser(os.path.join(cache_home, "backend_lib", "tuning"))
+    return folder if os.path.isabs(folder) else None
 
 
 # All-greedy steps on CUDA with the split sampler: on (layers/greedy_argmax.py, each row's

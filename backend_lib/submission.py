@@ -55,6 +55,9 @@ class InlineSubmission:
     def close(self) -> None:
         pass
 
+    def is_alive(self) -> bool:
+        return False
+
 
 class SubmissionThread:
     """Plans on the calling (engine) thread; launches on its own thread, in order."""
@@ -97,6 +100,10 @@ class SubmissionThread:
         if self._thread.is_alive():
             self._put(_STOP)
             self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        """Still launching (a close() whose join timed out)."""
+        return self._thread.is_alive()
 
     def _put(self, item: object) -> None:
         while True:

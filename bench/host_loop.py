@@ -140,7 +140,8 @@ def build_engine(args, submission: str = "inline", lookahead: int = 1, extra: di
         kw["step_lookahead"] = lookahead
     from bench.decode import model_kwargs
     kw.update(model_kwargs(args.preset, args.model))
-    kw.update(getattr(args, "set", None) or {})
+    from backend_lib.config import parameter_value
+    kw.update({name: parameter_value(name, raw) for name, raw in getattr(args, "set", None) or ()})
     kw.update(extra or {})
     if args.device == "cpu":
         per_seq = (args.prompt_len + 16 + args.warmup + args.steps + 8) // 16 + 2
@@ -390,6 +391,8 @@ def _forward_args(args) -> list[str]:
         a += ["--churn", str(args.churn)]
     if args.sections:
         a += ["--sections"]
+    for name, raw in args.set:
+        a += ["--set", f"{name}={raw}"]
     return a
 
 
@@ -417,19 +420,17 @@ def run_json_child(module: str, argv: list[str], env: dict | None = None) -> dic
 
 
 def _engine_field(text: str) -> tuple[str, str]:
-    from backend_lib.config import engine_parameter_names
-    name, sep, value = text.partition("=")
-    if not sep or name.strip() not in engine_parameter_names():
-        raise argparse.ArgumentTypeError(f"{text!r}: must be FIELD=VALUE with an EngineConfig field")
-    return name.strip(), value.strip()
-
-
-def _engine_fields(pairs: list[tuple[str, str]]) -> dict:
-    """--set pairs as EngineConfig values (typed as from config.pbtxt)."""
-    import dataclasses
-    from backend_lib.config import EngineConfig
-    typed = dataclasses.asdict(EngineConfig.from_parameters(dict(pairs)))
-    return {name: typed[name] for name, _ in pairs}
+    """--set FIELD=VALUE, checked: an EngineConfig field and a value of its type."""
+    from backend_lib.config import parameter_value
+    name, sep, value = (part.strip() for part in text.partition("="))
+    try:
+        if not sep:
+            raise ValueError
+        parameter_value(name, value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be FIELD=VALUE with an EngineConfig field"
+                                         + (f" ({e})" if str(e) else "")) from None
+    return name, value
 
 
 def main(argv=None) -> None:
@@ -469,7 +470,6 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.set = _engine_fields(args.set)
     if args.repeat < 1 or (args.repeat > 1 and not args.compare):
         p.error("--repeat is a number of before/after pairs (>= 1), with --compare")
     if args.compare and (args.submission != ["inline"] or args.lookahead != [1]):

@@ -541,15 +541,24 @@ class TritonServer:
         """POINT_COUNTERS once the llm model's exported engine stats cover every request Triton
         has ended since `before`. The model exports them from its monitor thread every stats
         interval, and a busy host can hold that thread up for longer than a point: read too
-        early, the point's steps are not there yet. After timeout_s, what there is."""
+        early, the point's steps are not there yet. An export sends its finished requests last
+        (EngineMetrics.export), so once they cover the point so does the rest. After
+        timeout_s, the last read that succeeded."""
         deadline = time.monotonic() + timeout_s
+        last = None
         while True:
             after = self.metric_sums(POINT_COUNTERS)
-            ended = sum(after[k] - before[k] for k in ("nv_inference_request_success", "nv_inference_request_failure"))
-            # the engine's finished requests, and those the model turned away before the engine
-            finished = sum(after[k] - before[k] for k in ("llm_requests_finished_total", "llm_requests_rejected_total"))
-            if finished >= ended or time.monotonic() >= deadline:  # False while a read failed (nan)
-                return after
+            if not any(v != v for v in after.values()):   # nan: the read failed
+                last = after
+                ended = sum(after[k] - before[k] for k in ("nv_inference_request_success",
+                                                           "nv_inference_request_failure"))
+                # the engine's finished requests, and those the model turned away before the engine
+                finished = sum(after[k] - before[k] for k in ("llm_requests_finished_total",
+                                                              "llm_requests_rejected_total"))
+                if finished >= ended:
+                    return after
+            if time.monotonic() >= deadline:
+                return last or after
             time.sleep(0.1)
 
     def log_tail(self, n: int = 40) -> str:

@@ -12,7 +12,7 @@ stats export): the sender makes no metric call, and the counters trail by one st
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from backend_lib.engine_stats import HOST_PHASES
 
@@ -176,13 +176,18 @@ class EngineMetrics:
             if tpot is not None:
                 self._pending_tpot.append(tpot)
 
-    def flush(self) -> None:
-        """Send what request_finished / first_token recorded since the last flush."""
+    def take_pending(self) -> tuple:
+        """What request_finished / first_token recorded since the last take, for flush()."""
         with self._pending_lock:
-            ttft, self._pending_ttft = self._pending_ttft, []
-            tpot, self._pending_tpot = self._pending_tpot, []
-            prompt, gen, finished = self._pending_prompt, self._pending_gen, self._pending_finished
+            pending = (self._pending_ttft, self._pending_tpot, self._pending_prompt, self._pending_gen,
+                       self._pending_finished)
+            self._pending_ttft, self._pending_tpot = [], []
             self._pending_prompt, self._pending_gen, self._pending_finished = 0, 0, {}
+        return pending
+
+    def flush(self, pending: Optional[tuple] = None) -> None:
+        """Send `pending` (take_pending()'s), or what was recorded since the last take."""
+        ttft, tpot, prompt, gen, finished = self.take_pending() if pending is None else pending
         for v in ttft:
             self.ttft.observe(v)
         for v in tpot:
@@ -195,8 +200,17 @@ class EngineMetrics:
     def request_rejected(self) -> None:
         self.rejected.increment(1)
 
+    def export(self, engine: Any, sends: Callable[[], tuple[int, float]]) -> None:
+        """One stats export, ordered for a reader that waits until requests show as finished
+        and then reads the rest (bench/serve.py reads a point's counters so): the requests
+        finished so far are taken first, so each of their steps is in the engine stats read
+        next, and their counts go out last, after the steps, idle gaps and sends."""
+        finished = self.take_pending()
+        self.export_engine_stats(engine.stats(), engine.is_healthy())
+        self.export_sends(*sends())
+        self.flush(finished)
+
     def export_engine_stats(self, st: Any, healthy: bool) -> None:
-        self.flush()
         self.running.set(st.num_running)
         self.waiting.set(st.num_waiting)
         self.kv_used.set(st.kv_blocks_used)

@@ -700,8 +700,7 @@ class DecodeGemv:
                 candidates = CANDIDATES + (NORM_AHEAD_CANDIDATES if prologue in (RMSNORM, ADD_RMSNORM) else ())
             # the shape key and everything else that changes the kernel or what it is timed against
             kept_as = (f"{_PROLOGUE_NAMES[prologue]} {tuple(w.shape)} {w.dtype} bias={b is not None} rope={heads} "
-                       f"pdl={self.pdl} early_release={self.early_release} l2_prefetch={self.l2_prefetch} "
-                       f"split_k={split_k}")
+                       f"pdl={self.pdl} early_release={self.early_release} split_k={split_k}")
             kept = self.picks.get(kept_as, candidates)
             if kept is not MISS:
                 self.configs[key] = kept
@@ -740,9 +739,11 @@ class DecodeGemv:
                         t.get(cfg, float("nan")), t.get(None, float("nan")))
 
 
-# What a kept pick depends on besides its key: the kernel, how splits accumulate, how it is timed.
+# What a kept pick depends on besides its key: the kernel, how splits accumulate, how it is
+# timed, and the unfused ops it is timed against.
 _KERNEL_SOURCES = tuple(str(Path(__file__).with_name(f)) for f in
-                        ("decode_gemv.py", "triton_support.py", "accumulator_ring.py", "skinny_gemm.py"))
+                        ("decode_gemv.py", "triton_support.py", "accumulator_ring.py", "skinny_gemm.py",
+                         "fused_ops.py"))
 
 
 def install(model, mode: str) -> Optional[DecodeGemv]:

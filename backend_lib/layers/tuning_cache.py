@@ -71,7 +71,14 @@ class TuningCache:
             compiler = f"triton{triton.__version__}"
         except ImportError:
             compiler = "notriton"
-        tag = f"{device_tag(device)} {compiler} torch{torch.__version__} {source_digest(sources)}"
+        if envs.triton_interpret():   # the interpreter's timings say nothing of the device's
+            compiler += "-interpreted"
+        try:
+            digest = source_digest(sources)
+        except OSError as e:   # sources not readable as files (an installed .pyc or zip): tune every start
+            logger.warning("tuning cache off: kernel sources unreadable (%s)", e)
+            return cls(None)
+        tag = f"{device_tag(device)} {compiler} torch{torch.__version__} {digest}"
         return cls(Path(folder) / f"{tuner}-{re.sub(r'[^A-Za-z0-9.+-]+', '_', tag)}.json")
 
     def _picks(self) -> dict[str, Any]:

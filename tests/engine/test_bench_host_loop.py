@@ -42,16 +42,22 @@ def test_compare_with_churn_and_repeat(tmp_path):
 
 
 
-def test_set_gives_the_engine_a_config_field(tmp_path):
+
+def test_set_gives_every_engine_a_config_field(tmp_path):
     """--set FIELD=VALUE reaches the engine typed (2 sequences at most: a batch of 4 runs 2
-    rows a step); a name that is no EngineConfig field is refused by name."""
+    rows a step), also the engines of the modes run in child processes (--lookahead 1,2); a
+    name that is no EngineConfig field, or a value not of its type, is refused by name."""
     out = tmp_path / "host_loop.json"
     r = subprocess.run([sys.executable, "-m", "bench.host_loop", "--batches", "4", "--steps", "6", "--warmup", "2",
-                        "--max-model-len", "256", "--set", "max_num_seqs=2", "--out", str(out)],
+                        "--max-model-len", "256", "--set", "max_num_seqs=2", "--lookahead", "1,2", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    [row] = json.loads(out.read_text())["after"]["rows"]
-    assert row["batch"] == 4 and row["tokens_per_step"] == 2
-    bad = subprocess.run([sys.executable, "-m", "bench.host_loop", "--set", "max_num_tokens=40"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "'max_num_tokens=40': must be FIELD=VALUE with an EngineConfig field" in bad.stderr
+    modes = json.loads(out.read_text())
+    assert sorted(m["lookahead"] for m in modes.values()) == [1, 2]
+    assert [(row["batch"], row["tokens_per_step"]) for m in modes.values() for row in m["rows"]] == [(4, 2)] * 2
+    for arg, why in (("max_num_tokens=40", ""), ("max_num_seqs=x", " (parameter 'max_num_seqs': cannot parse 'x' as int)")):
+        bad = subprocess.run([sys.executable, "-m", "bench.host_loop", "--set", arg],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2, bad.stderr
+        assert f"'{arg}': must be FIELD=VALUE with an EngineConfig field" in bad.stderr
+        assert why in bad.stderr

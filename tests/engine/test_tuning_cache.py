@@ -89,7 +89,7 @@ def test_what_changes_the_kernel_tunes_again(cache_dir, timed, monkeypatch):
     _table().tune(cases)
     _table(pdl=True).tune(cases)              # another kernel: launched with PDL
     assert len(timed) == 6
-    _table(l2_prefetch="all").tune(cases[:1])
+    _table(early_release=False).tune(cases[:1])   # the next kernel may launch only as this one exits
     assert len(timed) == 7
     monkeypatch.setenv(envs.DECODE_GEMV_SPLIT_K_ENV, "off")   # other candidates for PLAIN and SILU_MUL
     _table().tune(cases)
@@ -158,19 +158,41 @@ def test_an_unwritable_folder_keeps_the_picks_in_memory(tmp_path, timed, monkeyp
 
 
 def test_two_processes_keep_each_others_picks(cache_dir, timed, monkeypatch):
+    """Both read the (empty) folder before either wrote: the second one's write keeps the first one's pick."""
     cases = _cases()
+    first_process, second_process = {}, {}
+    monkeypatch.setattr(tc, "_loaded", second_process)
+    second = _table()
+    assert second.picks.get("anything", dg.CANDIDATES) is tc.MISS   # it has read the folder
+    monkeypatch.setattr(tc, "_loaded", first_process)
     _table().tune(cases[:1])
-    _new_process(monkeypatch)      # a second process, started before the first wrote more
-    _table().tune(cases[1:])
+    monkeypatch.setattr(tc, "_loaded", second_process)
+    second.tune(cases[1:])
     [path] = list(cache_dir.iterdir())
     assert len(json.loads(path.read_text())) == 3
     assert not list(cache_dir.glob("*.tmp"))
 
 
+def test_interpreted_timings_and_unreadable_sources_keep_apart(cache_dir, timed, monkeypatch, caplog):
+    _table().tune(_cases())
+    monkeypatch.setenv(envs.TRITON_INTERPRET_ENV, "1")
+    _table().tune(_cases())
+    assert len(timed) == 6 and len(list(cache_dir.iterdir())) == 2
+    monkeypatch.delenv(envs.TRITON_INTERPRET_ENV)
+    monkeypatch.setattr(dg, "_KERNEL_SOURCES", dg._KERNEL_SOURCES + ("/nonexistent/kernel.py",))
+    with caplog.at_level(logging.WARNING, logger="backend_lib"):
+        table = _table()
+    assert table.picks.path is None and "kernel sources unreadable" in caplog.text
+    table.tune(_cases())
+    assert len(timed) == 9
+
+
 @pytest.mark.parametrize("raw,xdg,want", [
     (None, None, "~/.cache/backend_lib/tuning"), ("", None, "~/.cache/backend_lib/tuning"),
     (None, "/var/cache/u", "/var/cache/u/backend_lib/tuning"), ("off", "/var/cache/u", None), ("OFF", None, None),
-    ("0", None, None), ("/srv/picks", "/var/cache/u", "/srv/picks"), ("~/picks", None, "~/picks")])
+    ("0", None, None), ("false", None, None), ("/srv/picks", "/var/cache/u", "/srv/picks"),
+    ("~/picks", None, "~/picks"), ("rel/picks", None, os.path.abspath("rel/picks")),
+    (None, "relative/cache", "~/.cache/backend_lib/tuning")])
 def test_the_folder_switch(monkeypatch, raw, xdg, want):
     set_env(monkeypatch, envs.TUNING_CACHE_ENV, raw)
     set_env(monkeypatch, "XDG_CACHE_HOME", xdg)

@@ -66,3 +66,35 @@ def test_per_request_metrics_wait_for_the_flush_and_arrive_once():
     inc = [(key, v) for op, key, v in calls if op == "increment"]
     assert (("llm_requests_finished_total", "error"), 1) in inc
     assert sum(v for key, v in inc if key[0] == "llm_requests_finished_total") == 1
+
+
+def test_an_export_sends_the_finished_requests_last_and_only_those_its_stats_cover():
+    """bench/serve.py reads a point's counters once the finished requests cover the point: so
+    in one export the finished counts go out after the steps and sends, and a request that
+    finishes while the engine stats are read is left to the next export (its last step may
+    not be in those stats)."""
+    from backend_lib.engine_stats import EngineStats
+    calls = []
+    m = EngineMetrics(_recording_pb_utils(calls), {"model": "llm", "version": "1"})
+    m.request_finished("length", num_prompt=4, num_generated=2)
+    steps = iter([5, 9])
+
+    class Engine:
+        def stats(self):
+            m.request_finished("stop", num_prompt=4, num_generated=3)   # the sender thread, meanwhile
+            return EngineStats(async_steps_total=next(steps), generation_tokens_total=2)
+
+        def is_healthy(self):
+            return True
+
+    m.export(Engine(), lambda: (7, 0.5))
+    order = [key[0] for op, key, v in calls if op == "increment"]
+    finished_at = order.index("llm_requests_finished_total")
+    assert {"llm_async_steps_total", "llm_responses_sent_total"} <= set(order[:finished_at])
+    assert order[finished_at:] == ["llm_requests_finished_total"]
+    inc = [(key, v) for op, key, v in calls if op == "increment" and key[0] == "llm_requests_finished_total"]
+    assert inc == [(("llm_requests_finished_total", "length"), 1)]
+    calls.clear()
+    m.export(Engine(), lambda: (9, 0.6))
+    inc = [(key, v) for op, key, v in calls if op == "increment" and key[0] == "llm_requests_finished_total"]
+    assert inc == [(("llm_requests_finished_total", "stop"), 1)]

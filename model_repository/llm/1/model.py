@@ -535,8 +535,7 @@ class TritonPythonModel:
 
     def _export_stats(self):
         try:
-            self.metrics.export_engine_stats(self.engine.stats(), self.engine.is_healthy())
-            self.metrics.export_sends(_SENDS.count, _SENDS.seconds)
+            self.metrics.export(self.engine, lambda: (_SENDS.count, _SENDS.seconds))
         except Exception as e:  # noqa: BLE001
             self.logger.log_warn(f"[llm] stats export failed: {e!r}")
 
