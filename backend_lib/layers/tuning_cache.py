@@ -35,6 +35,7 @@ _UNFUSED = "unfused"
 
 # Picks of this process, per file: read once, shared by every engine.
 _loaded: dict[Path, dict[str, Any]] = {}
+_unwritable: set[Path] = set()
 
 
 def device_tag(device: torch.device) -> str:
@@ -127,7 +128,9 @@ class TuningCache:
             os.replace(tmp, self.path)
             tmp = None
         except OSError as e:
-            logger.warning("tuning cache %s not written (%s): picks kept for this process only", self.path, e)
+            if self.path not in _unwritable:   # once: every later pick would say the same
+                _unwritable.add(self.path)
+                logger.warning("tuning cache %s not written (%s): picks kept for this process only", self.path, e)
         finally:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
