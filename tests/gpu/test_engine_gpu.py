@@ -175,3 +175,30 @@ def test_gpu_closed_engine_gives_back_its_memory(tiny_llama_path, dtype):
     assert left[0] < kv_bytes, f"{left[0]} bytes still allocated after the first engine closed ({held} while it ran)"
     grown = [b - a for a, b in zip(left, left[1:])]
     assert max(grown) <= 1 << 20, f"each closed engine left more allocated: {left} bytes after each"
+
+
+def test_gpu_second_engine_takes_the_kept_tuning_picks(tiny_llama_path, tmp_path, monkeypatch):
+    """Start-up tuning's picks kept by one engine (layers/tuning_cache.py): the next engine of
+    the process, and the next start (the file alone), run the same projection kernels without
+    timing a candidate, and give the same greedy tokens."""
+    from backend_lib import envs
+    from backend_lib.layers import tuning_cache
+    monkeypatch.setenv(envs.TUNING_CACHE_ENV, str(tmp_path / "picks"))
+    monkeypatch.setattr(tuning_cache, "_loaded", {})
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(3, random.Random(5), hi=40)
+    runs = []
+    for restart in (False, False, True):
+        if restart:
+            monkeypatch.setattr(tuning_cache, "_loaded", {})
+        eng = _engine(tiny_llama_path, dtype="bfloat16", async_token_handoff="on", max_num_seqs=4)
+        table = eng.runner.one_token_gemv
+        if table is None:
+            pytest.skip("no one-token gemv on this device")
+        runs.append((dict(table.configs), dict(table.timings), [o.token_ids for o in eng.generate(prompts, params)]))
+        eng.close()
+        del eng, table
+    (configs, timings, tokens), *later = runs
+    assert timings and len(list((tmp_path / "picks").iterdir())) == 1
+    for c, t, toks in later:
+        assert c == configs and t == {} and toks == tokens
