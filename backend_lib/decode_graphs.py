@@ -174,6 +174,13 @@ class DecodeGraphs:
         """A step ran outside the graphs: no saved metadata describes the previous step."""
         self._reusable = None
 
+    def close(self) -> None:
+        """Drop the graphs (their pool goes with the last one) and the program: a stand-in
+        graph holds a program that refers back to this object."""
+        self.graphs.clear()
+        self._program = None
+        self._reusable = None
+
     def plan(self, rows: Sequence, greedy: bool, masks: bool, logprobs: bool = False,
              slots: Optional[Sequence[int]] = None, all_relay: Optional[bool] = None) -> DecodeGraphPlan:
         """Host side of a decode-only graph step of `rows` (len(rows) <= the largest bucket):

@@ -124,6 +124,13 @@ class MixedGraphs:
                     len(self.graphs), "stand-in " if stand_in else "CUDA ", time.perf_counter() - t0,
                     self.token_buckets, len(self.buckets))
 
+    def close(self) -> None:
+        """Drop the graphs (their pool goes with the last one) and the program: each graph's
+        program refers back to this object."""
+        self.graphs.clear()
+        self._program = None
+        self._pool = None
+
     def bucket(self, num_tokens: int, num_seqs: int) -> Optional[tuple[int, int]]:
         """The smallest (T_b, S_b) with T_b >= num_tokens and S_b >= num_seqs."""
         for t, s in self.buckets:   # sorted by tokens, then rows

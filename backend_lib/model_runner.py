@@ -160,10 +160,13 @@ class ModelRunner:
                            self.scratch_slot, stand_in=stand_in, out_shape=_decode_out_shape)
 
     def close(self) -> None:
-        """Drop the captured graphs. Each holds a bound program of this runner, a reference
-        cycle that the engine's gc.freeze() keeps from the collector: left in place, the
+        """Drop the captured graphs. They hold bound programs of this runner, reference
+        cycles that the engine's gc.freeze() keeps from the collector: left in place, the
         model, KV cache and graph pools would stay allocated after the engine is gone.
         Later steps run eagerly."""
+        for graphs in (self.decode_graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.close()
         self.decode_graphs = None
         self.mixed_graphs = None
 
