@@ -106,14 +106,14 @@ class EngineConfig:
     def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":
         """Build from config.pbtxt `parameters` (string values). Unknown keys are errors
         (a typo must not silently leave a knob at its default)."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        names = set(engine_parameter_names())
         kwargs: dict[str, Any] = {}
         for key, raw in params.items():
             if isinstance(raw, Mapping):  # Triton's model_config gives {"string_value": ...}
                 raw = raw.get("string_value", "")
-            if key not in fields:
+            if key not in names:
                 continue  # parameters that belong to the Triton glue, not the engine
-            kwargs[key] = _coerce(key, fields[key].type, raw)
+            kwargs[key] = parameter_value(key, raw)
         return cls(**kwargs)
 
     def to_json(self) -> str:

@@ -47,10 +47,13 @@ def triton_interpret() -> bool:
 SKINNY_GEMM_ENV = "BACKEND_LIB_SKINNY_GEMM"
 
 
+_OFF_WORDS = ("0", "off", "false", "no")
+
+
 def _switch(name: str, others: tuple[str, ...] = (), default: str = "on") -> str:
     """An on/off switch (unset: `default`), with `others` as further modes."""
     v = (os.environ.get(name, "").strip() or default).lower()
-    if v in ("0", "off", "false", "no"):
+    if v in _OFF_WORDS:
         return "off"
     if v in ("1", "on", "true", "yes"):
         return "on"
@@ -255,7 +258,7 @@ TUNING_CACHE_ENV = "BACKEND_LIB_TUNING_CACHE"
 def tuning_cache_dir() -> Optional[str]:
     """The folder, absolute; None: off (also without a home folder to put the default in)."""
     raw = os.environ.get(TUNING_CACHE_ENV, "").strip()
-    if raw.lower() in ("off", "0", "false", "no", "none"):
+    if raw.lower() in _OFF_WORDS + ("none",):
         return None
     if raw:
         return os.path.abspath(os.path.expanduser(raw))

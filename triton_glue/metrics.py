@@ -12,7 +12,7 @@ stats export): the sender makes no metric call, and the counters trail by one st
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from backend_lib.engine_stats import HOST_PHASES
 
@@ -77,6 +77,15 @@ class _Locked:
     def set(self, v: float) -> None:
         with self._lock:
             self._m.set(float(v))
+
+
+class PendingCounts(NamedTuple):
+    """Per-request metrics the sending threads recorded, not yet sent to the server."""
+    ttft: list            # seconds to each first token
+    tpot: list            # seconds per output token of each finished request
+    prompt_tokens: int
+    generation_tokens: int
+    finished: dict        # finish reason -> requests
 
 
 class EngineMetrics:
@@ -176,25 +185,25 @@ class EngineMetrics:
             if tpot is not None:
                 self._pending_tpot.append(tpot)
 
-    def take_pending(self) -> tuple:
+    def take_pending(self) -> PendingCounts:
         """What request_finished / first_token recorded since the last take, for flush()."""
         with self._pending_lock:
-            pending = (self._pending_ttft, self._pending_tpot, self._pending_prompt, self._pending_gen,
-                       self._pending_finished)
+            pending = PendingCounts(self._pending_ttft, self._pending_tpot, self._pending_prompt,
+                                    self._pending_gen, self._pending_finished)
             self._pending_ttft, self._pending_tpot = [], []
             self._pending_prompt, self._pending_gen, self._pending_finished = 0, 0, {}
         return pending
 
-    def flush(self, pending: Optional[tuple] = None) -> None:
+    def flush(self, pending: Optional[PendingCounts] = None) -> None:
         """Send `pending` (take_pending()'s), or what was recorded since the last take."""
-        ttft, tpot, prompt, gen, finished = self.take_pending() if pending is None else pending
-        for v in ttft:
+        p = self.take_pending() if pending is None else pending
+        for v in p.ttft:
             self.ttft.observe(v)
-        for v in tpot:
+        for v in p.tpot:
             self.tpot.observe(v)
-        self.prompt_tokens.increment(prompt)
-        self.generation_tokens.increment(gen)
-        for reason, n in finished.items():
+        self.prompt_tokens.increment(p.prompt_tokens)
+        self.generation_tokens.increment(p.generation_tokens)
+        for reason, n in p.finished.items():
             self.finished[reason].increment(n)
 
     def request_rejected(self) -> None:

@@ -82,13 +82,18 @@ class TuningCache:
         tag = f"{device_tag(device)} {compiler} torch{torch.__version__} {digest}"
         return cls(Path(folder) / f"{tuner}-{re.sub(r'[^A-Za-z0-9.+-]+', '_', tag)}.json")
 
+    def _read(self) -> dict[str, Any]:
+        """The file's picks ({} without a file); OSError or ValueError where unreadable."""
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
     def _picks(self) -> dict[str, Any]:
         if self.path not in _loaded:
             try:
-                data = json.loads(self.path.read_text())
-                _loaded[self.path] = data if isinstance(data, dict) else {}
-            except FileNotFoundError:
-                _loaded[self.path] = {}
+                _loaded[self.path] = self._read()
             except (OSError, ValueError) as e:   # unreadable or not JSON: tuned again, rewritten
                 logger.warning("tuning cache %s unreadable (%s): tuning anew", self.path, e)
                 _loaded[self.path] = {}
@@ -116,9 +121,7 @@ class TuningCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             try:   # what another process kept meanwhile stays; this process's picks win
-                on_disk = json.loads(self.path.read_text())
-                if isinstance(on_disk, dict):
-                    picks.update({k: v for k, v in on_disk.items() if k not in picks})
+                picks.update({k: v for k, v in self._read().items() if k not in picks})
             except (OSError, ValueError):
                 pass
             # whole or not at all: another process may be reading it
