@@ -213,11 +213,9 @@ def decode_attn_max_splits() -> int:
     return 64 if v is None else v
 
 
-# The split decode attention's tile: auto (64 KV tokens a tile for 16-bit caches, 32 for fp32;
-# 4 warps) or BLOCK_NxWARPS, e.g. 64x8 or 32x4. With head_dim 128 (Llama-3-8B) the auto tile
-# compiles to 255 registers a thread and spills 524 bytes for sm_90 (ptxas -v, Triton 3.6), and
-# every decode attention sits on the step's critical path; 64x8 (203 registers) and 32x4 (254)
-# do not spill. Not yet timed on a GPU (bench/RESULTS.md, twenty-fourth session).
+# The split decode attention's tile: auto (triton_attention._decode_tiling: 32 KV tokens a tile
+# for fp32 caches and for 16-bit ones with head_dim >= 128, 64 for the others; 4 warps) or
+# BLOCK_NxWARPS, e.g. 64x8 or 32x4, for measuring others (bench/RESULTS.md twenty-sixth session).
 DECODE_ATTN_TILE_ENV = "BACKEND_LIB_DECODE_ATTN_TILE"
 DECODE_ATTN_TILE_BLOCK_N = (16, 32, 64, 128)
 DECODE_ATTN_TILE_WARPS = (1, 2, 4, 8)

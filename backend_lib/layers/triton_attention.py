@@ -528,10 +528,22 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(1, min(-(-target // programs), max_tiles, envs.decode_attn_max_splits()))
 
 
+# 16-bit caches with head_dim 128 and up take 32 KV tokens a tile, not 64: at 64 (4 warps) the
+# split kernel spills for sm_90, and on the H100 the Llama-3-8B shape's batch-1 step took 5.24 ms
+# with 32 against 5.37 ms with 64 (two interleaved runs, bench/RESULTS.md twenty-sixth session);
+# the 16 KB tile also brings newest_kv (NEWEST_KV_MAX_TILE_BYTES) to those one-token steps.
+HALF_TILE_HEAD_DIM = 128
+
+
 def _decode_tiling(k_cache: torch.Tensor) -> tuple[int, int, int]:
     """(block_n, num_stages, num_warps) of the split decode kernel for the cache's dtype, or
     the tile BACKEND_LIB_DECODE_ATTN_TILE names."""
-    block_n, num_stages = (32, 2) if k_cache.element_size() >= 4 else (64, 3)
+    if k_cache.element_size() >= 4:
+        block_n, num_stages = 32, 2
+    elif k_cache.shape[-1] >= HALF_TILE_HEAD_DIM:
+        block_n, num_stages = 32, 3
+    else:
+        block_n, num_stages = 64, 3
     tile = envs.decode_attn_tile()
     return (block_n, num_stages, 4) if tile is None else (tile[0], num_stages, tile[1])
 

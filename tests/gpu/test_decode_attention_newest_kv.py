@@ -115,10 +115,29 @@ def test_newest_kv_shape_errors_name_the_field():
 
 def test_one_token_steps_take_newest_kv_only_for_small_tiles():
     """The gate paged_attention applies: newest_kv where the first tile held across the wait
-    is at most 16 KB (head_dim 64 in bf16 or fp32), not at head_dim 128 (32 KB and more)."""
+    is at most 16 KB: head_dim 64 in bf16 (64-token tiles) or fp32 (32), head_dim 128 in bf16
+    (32-token tiles); not head_dim 128 in fp32 nor head_dim 256 in bf16 (32 KB)."""
     ta = _attn()
-    small = torch.zeros(2, PAGE, 2, 64, device=DEV, dtype=torch.bfloat16)
-    large = torch.zeros(2, PAGE, 2, 128, device=DEV, dtype=torch.bfloat16)
-    assert ta.newest_kv_pays(small) and not ta.newest_kv_pays(large)
-    assert ta.newest_kv_pays(torch.zeros(2, PAGE, 2, 64, device=DEV)) and not ta.newest_kv_pays(
-        torch.zeros(2, PAGE, 2, 128, device=DEV))
+
+    def cache(d, dtype=torch.float32):
+        return torch.zeros(2, PAGE, 2, d, device=DEV, dtype=dtype)
+
+    assert ta.newest_kv_pays(cache(64, torch.bfloat16)) and ta.newest_kv_pays(cache(64))
+    assert ta.newest_kv_pays(cache(128, torch.bfloat16))
+    assert not ta.newest_kv_pays(cache(128)) and not ta.newest_kv_pays(cache(256, torch.bfloat16))
+
+
+def test_auto_tile_halves_for_wide_16_bit_heads(monkeypatch):
+    """The automatic tile (block_n, num_stages, num_warps): 64 KV tokens for 16-bit caches with
+    head_dim below 128, 32 from 128 up (the 64-token tile spills there and measured slower) and
+    for fp32 caches; BACKEND_LIB_DECODE_ATTN_TILE still overrides it."""
+    from backend_lib import envs
+    ta = _attn()
+    monkeypatch.delenv(envs.DECODE_ATTN_TILE_ENV, raising=False)
+    tiling = {(d, dtype): ta._decode_tiling(torch.zeros(1, PAGE, 1, d, device=DEV, dtype=dtype))
+              for d in (64, 128, 256) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
+    assert tiling == {(64, torch.bfloat16): (64, 3, 4), (64, torch.float16): (64, 3, 4), (64, torch.float32): (32, 2, 4),
+                      (128, torch.bfloat16): (32, 3, 4), (128, torch.float16): (32, 3, 4), (128, torch.float32): (32, 2, 4),
+                      (256, torch.bfloat16): (32, 3, 4), (256, torch.float16): (32, 3, 4), (256, torch.float32): (32, 2, 4)}
+    monkeypatch.setenv(envs.DECODE_ATTN_TILE_ENV, "64x8")
+    assert ta._decode_tiling(torch.zeros(1, PAGE, 1, 128, device=DEV, dtype=torch.bfloat16)) == (64, 3, 8)
