@@ -95,19 +95,26 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench.gemv_shapes: needs CUDA (Triton tiles timed in CUDA graphs)", file=sys.stderr)
         return 2
+    return run_presets(args.preset.split(","), measure, table, args.out)
+
+
+def run_presets(presets: list[str], measure, table, out: str, note: str = "") -> int:
+    """measure(preset, copy_bw) -> rows for each preset, printed as table(rows) as each ends;
+    every row in the JSON at `out` (rewritten after each preset)."""
+    import torch
+
     from bench.decode import measure_copy_bandwidth
     copy_bw = measure_copy_bandwidth()
     result = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_Bps": copy_bw, "presets": {}}
-    print(f"{result['gpu']}, copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    for preset in args.preset.split(","):
+    print(f"{result['gpu']}, copy bandwidth {copy_bw / 1e12:.2f} TB/s{note}")
+    for preset in presets:
         rows = measure(preset, copy_bw)
         result["presets"][preset] = rows
         print(f"\n### {preset}\n\n{table(rows)}", flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(result, indent=1, default=str))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
