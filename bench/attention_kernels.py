@@ -140,7 +140,7 @@ def decode_table(sweep: bool):
         return
     print("\n== decode sweep (graph us): (block_n/warps/stages) with auto splits; nsX = default "
           "tile config with X splits ==")
-    configs = [(64, 4, 2), (32, 4, 3), (128, 4, 2), (64, 8, 3)]
+    configs = [(64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 2), (64, 8, 3)]
     for (bsz, ctx, calls_for, auto_ns, t_auto, mb) in rows:
         res = [(t_auto, f"auto(ns{auto_ns})")]
         for bn, nw, st in configs:

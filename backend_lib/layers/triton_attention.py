@@ -515,32 +515,41 @@ def _split_counters(k_cache: torch.Tensor, n: int) -> Optional[torch.Tensor]:
     return have
 
 
+SPLIT_PROGRAMS_PER_SM = 3
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
                       block_n: int = 64, num_sms: int = 132) -> int:
     """Static split count for the decode kernel (depends only on shapes)."""
     programs = batch * num_kv_heads
     # ~3 resident programs per SM: enough to saturate HBM, and a single wave when the
     # batch alone fills the GPU (B*Hkv >= target -> no split, no reduce kernel).
-    target = 3 * num_sms
+    target = SPLIT_PROGRAMS_PER_SM * num_sms
     if programs >= target:
         return 1
     max_tiles = max(1, -(-max_blocks * block_size // block_n))
     return max(1, min(-(-target // programs), max_tiles, envs.decode_attn_max_splits()))
 
 
-# 16-bit caches with head_dim 128 and up take 32 KV tokens a tile, not 64: at 64 (4 warps) the
-# split kernel spills for sm_90, and on the H100 the Llama-3-8B shape's batch-1 step took 5.24 ms
-# with 32 against 5.37 ms with 64 (two interleaved runs, bench/RESULTS.md twenty-sixth session);
-# the 16 KB tile also brings newest_kv (NEWEST_KV_MAX_TILE_BYTES) to those one-token steps.
+# 16-bit caches with head_dim 128 and up take 32 KV tokens a tile, not 64, where the kernel
+# splits the context (batch x kv heads below the 3 programs an SM of decode_num_splits): at 64
+# (4 warps) the kernel spills for sm_90, and on the H100 the Llama-3-8B shape's batch-1 step took
+# 5.24 ms with 32 against 5.37 ms with 64 (two interleaved runs), the kernel alone 6.4 against
+# 7.1 µs at batch 1 and 11.4 against 12.3 at batch 8 (context 384). Unsplit, each program walks
+# the whole context and the 64-token tile's bytes in flight win: 149.8 against 158.2 µs at
+# batch 256 (context 384), 708 against 778 at context 2048; equal at batch 64 (bench/RESULTS.md
+# twenty-sixth and twenty-seventh sessions). The 16 KB tile also brings newest_kv
+# (NEWEST_KV_MAX_TILE_BYTES) to the one-token steps.
 HALF_TILE_HEAD_DIM = 128
 
 
-def _decode_tiling(k_cache: torch.Tensor) -> tuple[int, int, int]:
-    """(block_n, num_stages, num_warps) of the split decode kernel for the cache's dtype, or
-    the tile BACKEND_LIB_DECODE_ATTN_TILE names."""
+def _decode_tiling(k_cache: torch.Tensor, batch: int = 1) -> tuple[int, int, int]:
+    """(block_n, num_stages, num_warps) of the split decode kernel for the cache's dtype and a
+    batch of `batch` rows, or the tile BACKEND_LIB_DECODE_ATTN_TILE names."""
     if k_cache.element_size() >= 4:
         block_n, num_stages = 32, 2
-    elif k_cache.shape[-1] >= HALF_TILE_HEAD_DIM:
+    elif (k_cache.shape[-1] >= HALF_TILE_HEAD_DIM
+          and batch * k_cache.shape[-2] < SPLIT_PROGRAMS_PER_SM * num_sms(k_cache.device)):
         block_n, num_stages = 32, 3
     else:
         block_n, num_stages = 64, 3
@@ -675,7 +684,7 @@ def paged_decode_attention(
     if bsz == 0:
         return out
 
-    default_block_n, default_stages, default_warps = _decode_tiling(k_cache)
+    default_block_n, default_stages, default_warps = _decode_tiling(k_cache, bsz)
     block_n = default_block_n if block_n is None else block_n
     num_stages = default_stages if num_stages is None else num_stages
     num_warps = default_warps if num_warps is None else num_warps

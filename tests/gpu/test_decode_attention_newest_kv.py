@@ -127,17 +127,27 @@ def test_one_token_steps_take_newest_kv_only_for_small_tiles():
     assert not ta.newest_kv_pays(cache(128)) and not ta.newest_kv_pays(cache(256, torch.bfloat16))
 
 
-def test_auto_tile_halves_for_wide_16_bit_heads(monkeypatch):
+def test_auto_tile_halves_for_wide_16_bit_heads_while_the_context_splits(monkeypatch):
     """The automatic tile (block_n, num_stages, num_warps): 64 KV tokens for 16-bit caches with
-    head_dim below 128, 32 from 128 up (the 64-token tile spills there and measured slower) and
-    for fp32 caches; BACKEND_LIB_DECODE_ATTN_TILE still overrides it."""
+    head_dim below 128; from 128 up, 32 while batch x kv heads is below 3 programs an SM (the
+    context splits: the 64-token tile spills and measured slower) and 64 from there (unsplit,
+    it measured faster); 32 for fp32 caches. BACKEND_LIB_DECODE_ATTN_TILE still overrides it."""
     from backend_lib import envs
+    from backend_lib.layers.triton_support import num_sms
     ta = _attn()
     monkeypatch.delenv(envs.DECODE_ATTN_TILE_ENV, raising=False)
-    tiling = {(d, dtype): ta._decode_tiling(torch.zeros(1, PAGE, 1, d, device=DEV, dtype=dtype))
-              for d in (64, 128, 256) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
-    assert tiling == {(64, torch.bfloat16): (64, 3, 4), (64, torch.float16): (64, 3, 4), (64, torch.float32): (32, 2, 4),
-                      (128, torch.bfloat16): (32, 3, 4), (128, torch.float16): (32, 3, 4), (128, torch.float32): (32, 2, 4),
-                      (256, torch.bfloat16): (32, 3, 4), (256, torch.float16): (32, 3, 4), (256, torch.float32): (32, 2, 4)}
+
+    def tiling(d, dtype, batch, kv_heads=8):
+        return ta._decode_tiling(torch.zeros(1, PAGE, kv_heads, d, device=DEV, dtype=dtype), batch)
+
+    first_unsplit = -(-3 * num_sms(torch.device(DEV)) // 8)   # the smallest batch (8 kv heads) left unsplit
+    for dtype in (torch.bfloat16, torch.float16):
+        assert [tiling(64, dtype, b) for b in (1, first_unsplit, 512)] == [(64, 3, 4)] * 3
+        for d in (128, 256):
+            assert [tiling(d, dtype, b) for b in (1, 8, first_unsplit - 1)] == [(32, 3, 4)] * 3, (d, dtype)
+            assert [tiling(d, dtype, b) for b in (first_unsplit, 64, 256)] == [(64, 3, 4)] * 3, (d, dtype)
+        assert tiling(128, dtype, 64, kv_heads=1) == (32, 3, 4)    # 64 programs: still split
+    for d in (64, 128, 256):
+        assert [tiling(d, torch.float32, b) for b in (1, 256)] == [(32, 2, 4)] * 2
     monkeypatch.setenv(envs.DECODE_ATTN_TILE_ENV, "64x8")
-    assert ta._decode_tiling(torch.zeros(1, PAGE, 1, 128, device=DEV, dtype=torch.bfloat16)) == (64, 3, 8)
+    assert tiling(128, torch.bfloat16, 1) == (64, 3, 8)
