@@ -48,3 +48,11 @@ def test_without_it_the_engine_holds_only_what_the_run_needs(tmp_path, built):
     assert eng.max_model_len == 48   # prompt 16 + output 4 + a block of 16, rounded up to whole blocks
     assert eng.runner.num_kv_blocks == 2 * (48 // 16) + 8
     assert meta["max_model_len"] == "prompt + output + a block"
+
+
+def test_prefill_steps_capture_no_mixed_graphs(tmp_path, built):
+    """Its prefill steps are not timed: the engine captures decode graphs only (mixed-step
+    graphs up to the one-step prefill budget would be the bulk of an 8B engine's start)."""
+    _run(tmp_path)
+    (eng,) = built
+    assert eng.config.enable_cuda_graph and not eng.config.cuda_graph_mixed
