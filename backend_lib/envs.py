@@ -215,8 +215,8 @@ def decode_attn_max_splits() -> int:
 
 # The split decode attention's tile: auto (triton_attention._decode_tiling: 32 KV tokens a tile
 # for fp32 caches and for 16-bit ones with head_dim >= 128 while the context splits, 64 for the
-# others; 4 warps) or
-# BLOCK_NxWARPS, e.g. 64x8 or 32x4, for measuring others (bench/RESULTS.md twenty-sixth session).
+# others; 4 warps) or BLOCK_NxWARPS, e.g. 64x8 or 32x4, to time another (bench/RESULTS.md
+# twenty-sixth and twenty-seventh sessions).
 DECODE_ATTN_TILE_ENV = "BACKEND_LIB_DECODE_ATTN_TILE"
 DECODE_ATTN_TILE_BLOCK_N = (16, 32, 64, 128)
 DECODE_ATTN_TILE_WARPS = (1, 2, 4, 8)
