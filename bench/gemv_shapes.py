@@ -47,7 +47,7 @@ def rows_for(name: str, n: int, k: int, prologue: int, times: dict, chosen, elem
     for cfg, us in sorted(times.items(), key=lambda kv: kv[1]):
         label = "unfused (op + cuBLAS)" if cfg is None else (
             f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}" + (f" split {cfg.split_k}" if cfg.split_k > 1 else "")
-            + (f" ahead {cfg.ahead}" if cfg.ahead > 1 else ""))
+            + (f" ahead {cfg.ahead}" if cfg.ahead > 1 else "") + (f" norm {cfg.norm_block}" if cfg.norm_block else ""))
         tbps = wbytes / (us * 1e-6) / 1e12
         out.append(dict(proj=name, prologue=PROLOGUE_NAMES[prologue], n=n, k=k, variant=label, us=us,
                         tb_s=tbps, of_copy=tbps * 1e12 / copy_bw if copy_bw else None,

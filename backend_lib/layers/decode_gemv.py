@@ -76,6 +76,7 @@ class GemvConfig:
     num_warps: int
     split_k: int = 1   # > 1: K split over that many programs per column block (fp32 atomics)
     ahead: int = 1     # weight tiles in flight while a tile is multiplied: 1, or 2 (NORM_AHEAD_CANDIDATES)
+    norm_block: int = 0   # norm prologues: row values a load of its sum of squares (0: _NORM_BLOCK_MAX)
 
 
 DEFAULT_CONFIG = GemvConfig(8, 1024, 4)
@@ -90,10 +91,17 @@ SPLIT_K_CANDIDATES = (GemvConfig(8, 1024, 4, 2), GemvConfig(8, 512, 4, 4), GemvC
 SPLIT_K_PROLOGUES = (PLAIN, SILU_MUL, MERGE_SPLITS)   # o_proj and down, read by an add + norm prologue
 # ... and where a norm prologue runs: the second tile loads as the wait ends, so HBM streams
 # while every program reads the row for its norm (with one wave of programs, as q/k/v has,
-# nothing else would). On the H100 none of them won a norm projection of the 0.5B or 8B shape
-# (bench/RESULTS.md, twenty-fourth session); tuning still times them for other shapes and cards.
+# nothing else would). On the H100 the first four lost every norm projection of the 0.5B and
+# 8B shapes (bench/RESULTS.md, twenty-fourth session): at the 8B q/k/v (K 4096) 8x1024 and 8x512
+# take 255 and 254 registers a thread for sm_90, two programs an SM. Reading the row for its
+# norm 1024 values at a time takes 8x512 and 4x1024 to 159 and 156 registers (ptxas, Triton 3.6;
+# twenty-seventh session): three programs an SM with two 8 KB tiles in flight each, 48 KB of
+# weight in flight an SM against the 32 KB of the 8x1024 tile tuning picks there, for cards whose
+# bandwidth x latency asks more than 32 KB (the H200). Not timed yet.
 NORM_AHEAD_CANDIDATES = (GemvConfig(8, 1024, 4, ahead=2), GemvConfig(4, 1024, 4, ahead=2),
-                         GemvConfig(16, 512, 4, ahead=2), GemvConfig(8, 512, 4, ahead=2))
+                         GemvConfig(16, 512, 4, ahead=2), GemvConfig(8, 512, 4, ahead=2),
+                         GemvConfig(8, 512, 4, ahead=2, norm_block=1024),
+                         GemvConfig(4, 1024, 4, ahead=2, norm_block=1024))
 # A split's K slice starts on a multiple of this many elements (16-byte aligned weight loads).
 _SPLIT_ALIGN = 64
 # The most of a weight the L2 prefetch asks for: two thirds of the H100's and H200's 50 MB L2
@@ -430,7 +438,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     if prologue == ADD_RMSNORM:
         new_res = torch.empty_like(residual) if residual_out is None else residual_out
     k_per_split = _k_per_split(k, cfg.split_k) if split else k
-    norm_block = min(triton.next_power_of_2(k), _NORM_BLOCK_MAX) if prologue in (RMSNORM, ADD_RMSNORM) else 16
+    norm_block = (min(triton.next_power_of_2(k), cfg.norm_block or _NORM_BLOCK_MAX)
+                  if prologue in (RMSNORM, ADD_RMSNORM) else 16)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = functools.partial(_gemv_kernel.warmup, grid=grid) if warmup else _gemv_kernel[grid]
     launch(

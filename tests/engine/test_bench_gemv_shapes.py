@@ -22,3 +22,11 @@ def test_rows_give_the_weight_bandwidth_and_mark_the_chosen_tile():
     assert abs(rows[0]["of_copy"] - rows[0]["tb_s"] / 4) < 1e-9
     text = gemv_shapes.table(rows)
     assert "| down (silu*mul) | 896 x 4864 | 8x512 w4 split 4 | 2.50 | 3.49 | 0.87 | **yes** |" in text
+
+
+def test_a_norm_chunked_tile_is_labelled_with_its_chunk():
+    from backend_lib.layers.decode_gemv import NORM_AHEAD_CANDIDATES, GemvConfig
+    chunked = GemvConfig(8, 512, 4, ahead=2, norm_block=1024)
+    assert chunked in NORM_AHEAD_CANDIDATES
+    rows = gemv_shapes.rows_for("qkv", 6144, 4096, 2, {None: 30.0, chunked: 15.0}, chunked, 2, 4e12)
+    assert [r["variant"] for r in rows] == ["8x512 w4 ahead 2 norm 1024", "unfused (op + cuBLAS)"]

@@ -62,7 +62,7 @@ def test_matches_unfused_ops(n, k, bias, dtype, prologue_name):
     pdl_ok = dg.pdl_supported(torch.device(DEVICE))
     if DEVICE == "cpu":  # ahead 2: K of 1030 leaves a ragged last tile, 96 a second tile past K
         runs = [(dg.GemvConfig(4, 32, 1), False), (dg.GemvConfig(16, 64, 2), False),
-                (dg.GemvConfig(8, 64, 1, ahead=2), False)]
+                (dg.GemvConfig(8, 64, 1, ahead=2), False), (dg.GemvConfig(8, 64, 1, ahead=2, norm_block=32), False)]
     elif dtype == torch.bfloat16:  # the models' dtype: every candidate, launched as the model does
         runs = ([(c, pdl_ok) for c in dg.CANDIDATES + dg.NORM_AHEAD_CANDIDATES]
                 + [(dg.DEFAULT_CONFIG, False)])
@@ -375,7 +375,8 @@ def test_rope_epilogue_matches_unfused_rope_and_cache_write(hq, hkv, d, bias, dt
     q_ref, v_ref, kc_ref, vc_ref, res_ref = dg.gemv_rope_ref(
         x, w, b, rope, prologue=dg.ADD_RMSNORM, residual=res, ln_weight=ln)
     configs = (dg.CANDIDATES + dg.NORM_AHEAD_CANDIDATES if DEVICE == "cuda"
-               else (dg.GemvConfig(4, 32, 1), dg.GemvConfig(16, 64, 2), dg.GemvConfig(8, 32, 1, ahead=2)))
+               else (dg.GemvConfig(4, 32, 1), dg.GemvConfig(16, 64, 2), dg.GemvConfig(8, 32, 1, ahead=2),
+                     dg.GemvConfig(8, 32, 1, norm_block=16)))
     for cfg in configs:
         rope.k_cache.fill_(POISON)
         rope.v_cache.fill_(POISON)
