@@ -26,15 +26,18 @@ case "$part" in
     for preset in qwen2.5-0.5b llama-3-8b; do
       timeout 280 "$PY" -m bench.decode --device cuda --impls async --timeline '' --batches 1,8,64,256 \
         --preset "$preset" --out "$OUT/decode_$preset.json" 2>&1 | grep -v "^\s*$" | tail -16
+      echo "decode $preset rc=${PIPESTATUS[0]}"
     done ;;
   hf)
     for preset in qwen2.5-0.5b llama-3-8b; do
       timeout 290 "$PY" -m bench.decode --device cuda --impls async,hf --hf-compile --timeline '' --batches 1 \
         --preset "$preset" --out "$OUT/hf_$preset.json" 2>&1 | grep -v "^\s*$" | tail -12
+      echo "hf $preset rc=${PIPESTATUS[0]}"
     done ;;
   census)
     timeout 580 "$PY" -m bench.kernels --device cuda --no-gemm --no-tpot --preset qwen2.5-0.5b \
-      --out-dir "$OUT/census" 2>&1 | tail -40 ;;
+      --out-dir "$OUT/census" 2>&1 | tail -40
+    echo "census rc=${PIPESTATUS[0]}" ;;
   serve)
     timeout 590 bash bench/serve.sh --preset qwen2.5-0.5b --device cuda --engine large --workloads fixed \
       --point-timeout 60 --start-timeout 150 --concurrency 64,256 --samplings greedy,top_p \

@@ -5,7 +5,7 @@ and with them how many weight bytes are in flight an SM (Little's law against th
 bandwidth x latency; bench/RESULTS.md, twenty-fourth and twenty-seventh sessions).
 
     python -m bench.gemv_registers                        # the 8B q/k/v (add + norm + rope), every norm candidate
-    python -m bench.gemv_registers --prologue plain --k 4096 --n 4096 --no-rope
+    python -m bench.gemv_registers --prologue silu_mul --k 14336     # the 8B down projection
 
 Needs Triton 3.x with its NVIDIA backend (no GPU, no CUDA driver).
 """
@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     prologue = getattr(dg, args.prologue.upper())
     heads = tuple(int(x) for x in args.heads.split(","))
-    rope = not args.no_rope and prologue == dg.ADD_RMSNORM
     norm = prologue in (dg.RMSNORM, dg.ADD_RMSNORM)
+    rope = not args.no_rope and norm   # q/k/v: layer 0's takes RMSNORM, the others ADD_RMSNORM
     candidates = dg.CANDIDATES + (dg.NORM_AHEAD_CANDIDATES if norm else dg.SPLIT_K_CANDIDATES if not rope else ())
     print(f"_gemv_kernel for sm_90a: {args.prologue}{' + rope' if rope else ''}, K {args.k}, bf16, PDL")
     print("| tile | registers a thread | spill stores (bytes) | programs an SM | weight in flight an SM (KB) |")

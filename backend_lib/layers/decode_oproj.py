@@ -130,17 +130,19 @@ class DecodeOproj:
     def tune(self, o_proj, gemv_table, num_heads: int, head_dim: int) -> None:
         """Candidates against the reduce kernel + gemv_table's projection, each timed as 50
         calls in one graph, weights cycled through copies larger than L2, on stand-in partial
-        states of 16 splits (5 of them ran: a 300-token context)."""
+        states of 16 splits with the decode attention's batch-1 tile (those with a tile of a
+        300-token context ran)."""
         from .skinny_gemm import time_candidates, weight_copies
-        from .triton_attention import DecodePartials, merge_decode_partials
+        from .triton_attention import DecodePartials, _decode_tiling, merge_decode_partials
         from .accumulator_ring import AccumulatorRing
         from .decode_mlp import _Proj
         w, b = o_proj.weight, o_proj.bias
         dev, splits = w.device, 16
+        attn_block_n, _, _ = _decode_tiling(torch.empty(0, 1, 1, head_dim, dtype=w.dtype, device=dev))
         parts = DecodePartials(
             acc=torch.randn(num_heads * splits, head_dim, device=dev), m=torch.randn(num_heads * splits, device=dev),
             l=torch.rand(num_heads * splits, device=dev) + 1, seq_lens=torch.tensor([300], dtype=torch.int32, device=dev),
-            num_splits=splits, block_n=64, num_heads=num_heads, head_dim=head_dim, dtype=w.dtype)
+            num_splits=splits, block_n=attn_block_n, num_heads=num_heads, head_dim=head_dim, dtype=w.dtype)
         ring = AccumulatorRing.create(2, w.shape[0], dev)
         copies = weight_copies(w, b)
 

@@ -531,15 +531,15 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(1, min(-(-target // programs), max_tiles, envs.decode_attn_max_splits()))
 
 
-# 16-bit caches with head_dim 128 and up take 32 KV tokens a tile, not 64, where the kernel
-# splits the context (batch x kv heads below the 3 programs an SM of decode_num_splits): at 64
+# 16-bit caches with head_dim 128 and up take 32 KV tokens a tile, not 64, where batch x kv
+# heads is below the 3 programs an SM under which decode_num_splits splits the context: at 64
 # (4 warps) the kernel spills for sm_90, and on the H100 the Llama-3-8B shape's batch-1 step took
 # 5.24 ms with 32 against 5.37 ms with 64 (two interleaved runs), the kernel alone 6.4 against
 # 7.1 µs at batch 1 and 11.4 against 12.3 at batch 8 (context 384). Unsplit, each program walks
 # the whole context and the 64-token tile's bytes in flight win: 149.8 against 158.2 µs at
 # batch 256 (context 384), 708 against 778 at context 2048; equal at batch 64 (bench/RESULTS.md
-# twenty-sixth and twenty-seventh sessions). The 16 KB tile also brings newest_kv
-# (NEWEST_KV_MAX_TILE_BYTES) to the one-token steps.
+# twenty-sixth and twenty-seventh sessions). At head_dim 128 the 32-token tile is 16 KB, which
+# also brings newest_kv (NEWEST_KV_MAX_TILE_BYTES) to the one-token steps.
 HALF_TILE_HEAD_DIM = 128
 
 
