@@ -193,7 +193,7 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
     del src, dst
-    _free("cuda")
+    free_device_memory("cuda")
     return 2 * nbytes / _pct(times, 0.5)
 
 
@@ -208,7 +208,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _free(device: str) -> None:
+def free_device_memory(device: str) -> None:
+    """Collect garbage and give the caching allocator's free blocks and cuBLAS's workspaces
+    back: what is still allocated after it is what live objects hold."""
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -253,7 +255,7 @@ def bench_hf(spec: ModelSpec, args) -> list[Row]:
             window, extra = fn(model, _prompts(b, args.prompt_len, vocab, seed=b), args, *a)
         except Exception as e:  # noqa: BLE001 - a baseline that fails is recorded, not fatal
             rows.append(_skip_row(name, b, impl, f"n/a: {type(e).__name__}: {str(e)[:160]}"))
-            _free(args.device)
+            free_device_memory(args.device)
             return
         history[impl] = (b, extra["rep_wall_s"])
         dec = b * dec_steps
@@ -278,7 +280,7 @@ def bench_hf(spec: ModelSpec, args) -> list[Row]:
                     rows[-1].extra.update(extra)
             _hf.destroy_cb(model)
     del model
-    _free(args.device)
+    free_device_memory(args.device)
     return rows
 
 
@@ -393,7 +395,7 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
     if hasattr(eng, "close"):
         eng.close()
     del eng
-    _free(args.device)
+    free_device_memory(args.device)
     if args.device == "cuda":   # what a closed engine did not give back limits the engines a process can build
         print(f"  {impl}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated after it closed",
               file=sys.stderr, flush=True)

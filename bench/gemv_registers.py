@@ -89,6 +89,7 @@ def measure(cfg, prologue: int, k: int, rope: bool, heads) -> dict:
 
 def main(argv=None) -> int:
     from backend_lib.layers import decode_gemv as dg
+    from bench.gemv_shapes import tile_label
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prologue", default="add_rmsnorm", choices=("plain", "rmsnorm", "add_rmsnorm", "silu_mul"))
     ap.add_argument("--k", type=int, default=4096)
@@ -105,9 +106,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for cfg in candidates:
         r = measure(cfg, prologue, args.k, rope, heads)
-        label = (f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}" + (f" split {cfg.split_k}" if cfg.split_k > 1 else "")
-                 + (f" ahead {cfg.ahead}" if cfg.ahead > 1 else "") + (f" norm {cfg.norm_block}" if cfg.norm_block else ""))
-        print(f"| {label} | {r['registers']} | {r['spill_bytes']} | {r['programs_per_sm']} | {r['in_flight_kb']:.0f} |",
+        print(f"| {tile_label(cfg)} | {r['registers']} | {r['spill_bytes']} | {r['programs_per_sm']} | {r['in_flight_kb']:.0f} |",
               flush=True)
     return 0
 

@@ -39,15 +39,19 @@ def projections(preset: str) -> list[tuple[str, int, int, int, bool, bool]]:
             ("down", SILU_MUL, h, inter, mlp_bias, False)]
 
 
+def tile_label(cfg) -> str:
+    """A decode_gemv tile as the tables name it, e.g. "8x512 w4 split 4" or "8x512 w4 ahead 2 norm 1024"."""
+    return (f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}" + (f" split {cfg.split_k}" if cfg.split_k > 1 else "")
+            + (f" ahead {cfg.ahead}" if cfg.ahead > 1 else "") + (f" norm {cfg.norm_block}" if cfg.norm_block else ""))
+
+
 def rows_for(name: str, n: int, k: int, prologue: int, times: dict, chosen, elem_bytes: int,
              copy_bw: float) -> list[dict]:
     """One row per timed variant (None: the unfused ops), the weight bytes over its time."""
     wbytes = n * k * elem_bytes
     out = []
     for cfg, us in sorted(times.items(), key=lambda kv: kv[1]):
-        label = "unfused (op + cuBLAS)" if cfg is None else (
-            f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}" + (f" split {cfg.split_k}" if cfg.split_k > 1 else "")
-            + (f" ahead {cfg.ahead}" if cfg.ahead > 1 else "") + (f" norm {cfg.norm_block}" if cfg.norm_block else ""))
+        label = "unfused (op + cuBLAS)" if cfg is None else tile_label(cfg)
         tbps = wbytes / (us * 1e-6) / 1e12
         out.append(dict(proj=name, prologue=PROLOGUE_NAMES[prologue], n=n, k=k, variant=label, us=us,
                         tb_s=tbps, of_copy=tbps * 1e12 / copy_bw if copy_bw else None,
@@ -115,6 +119,7 @@ def run_presets(presets: list[str], measure, table, out: str, note: str = "") ->
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(result, indent=1, default=str))
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -115,6 +115,7 @@ def check(device: str, dtype=torch.float32) -> float:
 def measure(preset: str, copy_bw: float) -> list[dict]:
     from backend_lib.layers import decode_gemv as dg
     from backend_lib.layers.skinny_gemm import time_linear_us, weight_copies
+    from bench.gemv_shapes import tile_label
     dev = torch.device("cuda")
     rows = []
     for name, n, k in projections(preset):
@@ -127,7 +128,7 @@ def measure(preset: str, copy_bw: float) -> list[dict]:
             tag = " pdl" if pdl else ""
             for c in dg.CANDIDATES:
                 call = (lambda c=c, pdl=pdl: lambda xx, ww, bb: dg.gemv(xx, ww, None, cfg=c, pdl=pdl))()
-                times[f"gemv {c.block_n}x{c.block_k} w{c.num_warps}{tag}"] = time_linear_us(call, x, copies)
+                times[f"gemv {tile_label(c)}{tag}"] = time_linear_us(call, x, copies)
             for c in TMA_CONFIGS:
                 y = tma_gemv(x, w, c, pdl)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -184,6 +185,7 @@ def main(argv=None) -> int:
     from bench.gemv_shapes import run_presets
     return run_presets(args.preset.split(","), measure, table, args.out,
                        note="; µs a call (fraction of copy bandwidth)")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,6 @@
 Greedy outputs are compared with HF transformers on the same weights, and the async path
 with the sync path (token-identical: same kernels, same graphs) over a churn workload.
 """
-import gc
 import random
 import sys
 from pathlib import Path
@@ -151,12 +150,8 @@ def _allocated_after_collect() -> int:
     """Bytes the caching allocator still holds for live tensors, less cuBLAS's workspaces: cuBLAS
     keeps one per (handle, stream) for the process (64 MiB on an H100 after the first engine,
     none more after later ones; all of it gone once they are cleared)."""
-    gc.collect()
-    torch.cuda.synchronize()
-    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_workspaces is not None:
-        clear_workspaces()
-    torch.cuda.empty_cache()
+    from bench.decode import free_device_memory
+    free_device_memory("cuda")
     return torch.cuda.memory_allocated()
 
 
