@@ -319,12 +319,12 @@ class EngineProcessClient(OutputSinks):
         return slot[1] if slot[1] is not None else self._take_last_stats()
 
     def _take_last_stats(self) -> EngineStats:
-        """The last stats seen, with the idle gaps nobody was given yet (each is given once:
-        the core takes them, and the caller observes them into a histogram)."""
+        """The last stats seen, marked stale, with the idle gaps nobody was given yet (each is
+        given once: the core takes them, and the caller observes them into a histogram)."""
         with self._lock:
             st = self._last_stats
             self._last_stats = dataclasses.replace(st, gpu_idle_gap_us=[])
-        return st
+        return dataclasses.replace(st, stale=True)
 
     def backlog(self) -> int:
         return 0  # the core's writer merges what the reader has not taken into its next message

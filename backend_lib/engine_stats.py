@@ -34,3 +34,6 @@ class EngineStats:
     update_time_s: float = 0.0
     host_cpu_time_s: float = 0.0    # the engine thread's CPU time in step() outside the waits
     gpu_idle_gap_us: list[float] = field(default_factory=list)
+    # the last stats an engine core sent, given again because it did not answer in time: they
+    # may not hold the steps of requests its outputs already finished
+    stale: bool = False

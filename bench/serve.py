@@ -537,13 +537,23 @@ class TritonServer:
         lines = [l for l in text.splitlines() if any(f'model="{m}"' in l for m in models)]
         return {name: _series_sum(lines, name) for name in names}
 
-    def counters_covering(self, before: dict[str, float], timeout_s: float = 15.0) -> dict[str, float]:
+    def point_counters(self, timeout_s: float = 15.0) -> dict[str, float]:
+        """POINT_COUNTERS before a point: a read that succeeded (a failed one, nan, would void
+        every difference the point takes from it), within timeout_s, else the failed read."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.metric_sums(POINT_COUNTERS)
+            if not any(v != v for v in got.values()) or time.monotonic() >= deadline:
+                return got
+            time.sleep(0.1)
+
+    def counters_covering(self, before: dict[str, float], timeout_s: float = 15.0) -> tuple[dict[str, float], bool]:
         """POINT_COUNTERS once the llm model's exported engine stats cover every request Triton
-        has ended since `before`. The model exports them from its monitor thread every stats
-        interval, and a busy host can hold that thread up for longer than a point: read too
-        early, the point's steps are not there yet. An export sends its finished requests last
-        (EngineMetrics.export), so once they cover the point so does the rest. After
-        timeout_s, the last read that succeeded."""
+        has ended since `before`, and whether they did. The model exports them from its monitor
+        thread every stats interval, and a busy host can hold that thread up for longer than a
+        point: read too early, the point's steps are not there yet. An export sends its finished
+        requests last, and only with stats fresh from the engine (EngineMetrics.export), so once
+        they cover the point so does the rest. After timeout_s, the last read that succeeded."""
         deadline = time.monotonic() + timeout_s
         last = None
         while True:
@@ -556,10 +566,9 @@ class TritonServer:
                 finished = sum(after[k] - before[k] for k in ("llm_requests_finished_total",
                                                               "llm_requests_rejected_total"))
                 if finished >= ended:
-                    return after
+                    return after, True
             if time.monotonic() >= deadline:
-                return last or after
-            time.sleep(0.1)
+                return last or after, False
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -706,7 +715,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     # lengths their work differs ~3x, and a thread that is done leaves its streams idle.
     if threads:
         cmd += ["--max-threads", str(threads)]
-    before = srv.metric_sums(POINT_COUNTERS)
+    before = srv.point_counters()
     cpu0 = proc_cpu.thread_cpu(srv.proc.pid)
     t0 = time.perf_counter()
     try:
@@ -717,7 +726,11 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     t1 = time.perf_counter()
     cpu1 = proc_cpu.thread_cpu(srv.proc.pid)
     gpu = busy.mean(t0, t1)
-    after = srv.counters_covering(before)
+    after, covered = srv.counters_covering(before)
+    if not covered:
+        unread = any(v != v for v in before.values())
+        log(f"{label} {wl} {sampling} c={c}: the llm model's counters did not cover the point "
+            f"({'unreadable before it' if unread else 'within 15 s'}); its engine columns are partial")
     d = {k: after[k] - before[k] for k in POINT_COUNTERS}
     failures = d["nv_inference_request_failure"]
     sent, send_s = d["llm_responses_sent_total"], d["llm_response_send_seconds_total"]
@@ -736,6 +749,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     # the batch it ran (tokens of the requests finished in the window per step)
     # which threads of the server, the stub and the engine core were busy (share of one CPU)
     extra["thread_cpu"] = proc_cpu.busy_threads(cpu0, cpu1, t1 - t0)
+    extra["counters_cover_point"] = covered
     if steps > 0:
         extra["host_us_per_step"] = (d["llm_step_seconds_total"] - d["llm_step_gpu_wait_seconds_total"]) / steps * 1e6
         extra["host_cpu_us_per_step"] = d["llm_step_host_cpu_seconds_total"] / steps * 1e6

@@ -21,6 +21,9 @@ TPOT_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
                 1.0, 2.5]
 IDLE_GAP_BUCKETS = [1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 1e-2, 1e-1]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# A core that keeps missing the stats deadline (a starved host) still gets its finished
+# requests counted: stale stats hold them back for at most this many exports in a row.
+MAX_STALE_EXPORTS = 3
 
 NAMES = {
     "ttft": "llm_time_to_first_token_seconds",
@@ -162,6 +165,7 @@ class EngineMetrics:
         self._pending_tpot: list[float] = []
         self._pending_prompt = self._pending_gen = 0
         self._pending_finished: dict[str, int] = {}
+        self._stale_exports = 0  # exports in a row that held the finished counts back (export)
         # each EngineStats total exported so far: the counters grow by the difference
         self._last = {"async": 0, "sync": 0, "prefill_steps": 0, "preempt": 0, "pc_queried": 0, "pc_hit": 0,
                       "step_s": 0.0, "step_wait_s": 0.0, "step_cpu_s": 0.0, **{p: 0.0 for p in HOST_PHASES}}
@@ -213,11 +217,29 @@ class EngineMetrics:
         """One stats export, ordered for a reader that waits until requests show as finished
         and then reads the rest (bench/serve.py reads a point's counters so): the requests
         finished so far are taken first, so each of their steps is in the engine stats read
-        next, and their counts go out last, after the steps, idle gaps and sends."""
+        next, and their counts go out last, after the steps, idle gaps and sends. Stats the
+        engine core did not answer in time (stale) may miss those steps: the finished counts
+        then wait for a fresh reading, up to MAX_STALE_EXPORTS exports in a row."""
         finished = self.take_pending()
-        self.export_engine_stats(engine.stats(), engine.is_healthy())
+        stats, healthy = engine.stats(), engine.is_healthy()
+        self.export_engine_stats(stats, healthy)
         self.export_sends(*sends())
+        if getattr(stats, "stale", False) and healthy and self._stale_exports < MAX_STALE_EXPORTS:
+            self._stale_exports += 1
+            self._give_back(finished)
+            return
+        self._stale_exports = 0
         self.flush(finished)
+
+    def _give_back(self, p: PendingCounts) -> None:
+        """Put taken counts back in front of what was recorded since, for the next flush."""
+        with self._pending_lock:
+            self._pending_ttft = p.ttft + self._pending_ttft
+            self._pending_tpot = p.tpot + self._pending_tpot
+            self._pending_prompt += p.prompt_tokens
+            self._pending_gen += p.generation_tokens
+            for reason, n in p.finished.items():
+                self._pending_finished[reason] = self._pending_finished.get(reason, 0) + n
 
     def export_engine_stats(self, st: Any, healthy: bool) -> None:
         self.running.set(st.num_running)

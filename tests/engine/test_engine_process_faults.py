@@ -175,17 +175,19 @@ def test_stats_hand_out_each_idle_gap_once(path, tmp_path, monkeypatch):
     c = EngineProcessClient(EngineConfig(model_path=path, **KW))
     try:
         assert c.stats().gpu_idle_gap_us == [7.0, 9.0]
-        assert c.stats().gpu_idle_gap_us == [7.0, 9.0]  # fresh ones, from the core
+        fresh = c.stats()
+        assert fresh.gpu_idle_gap_us == [7.0, 9.0] and not fresh.stale  # from the core
         os.kill(c.pid, signal.SIGSTOP)
         late = c.stats()  # timed out: the last stats, without the gaps already handed out
-        assert late.gpu_idle_gap_us == [] and late.kv_blocks_total > 0
+        assert late.gpu_idle_gap_us == [] and late.kv_blocks_total > 0 and late.stale
         os.kill(c.pid, signal.SIGCONT)
         time.sleep(0.5)   # the late reply arrives: its gaps were handed to nobody yet
-        assert c.stats().gpu_idle_gap_us == [7.0, 9.0, 7.0, 9.0]
+        again = c.stats()
+        assert again.gpu_idle_gap_us == [7.0, 9.0, 7.0, 9.0] and not again.stale
         os.kill(c.pid, signal.SIGKILL)
         _wait(lambda: not c.is_healthy(), 10)
         gone = [c.stats() for _ in range(3)]
-        assert [g.gpu_idle_gap_us for g in gone] == [[], [], []]
+        assert [g.gpu_idle_gap_us for g in gone] == [[], [], []] and all(g.stale for g in gone)
         assert gone[0].kv_blocks_total > 0
     finally:
         c.shutdown(timeout=5)

@@ -98,3 +98,56 @@ def test_an_export_sends_the_finished_requests_last_and_only_those_its_stats_cov
     m.export(Engine(), lambda: (9, 0.6))
     inc = [(key, v) for op, key, v in calls if op == "increment" and key[0] == "llm_requests_finished_total"]
     assert inc == [(("llm_requests_finished_total", "stop"), 1)]
+
+
+def test_stale_engine_stats_hold_the_finished_counts_back_until_fresh_ones():
+    """Stats an engine core did not answer in time (stale: its last ones) may lack the steps of
+    requests that have finished since: exported with them, a reader waiting for the finished
+    counts would read a point without its steps. The counts wait for a fresh reading, for at
+    most MAX_STALE_EXPORTS exports in a row, and at once when the engine is gone."""
+    from backend_lib.engine_stats import EngineStats
+    from triton_glue.metrics import MAX_STALE_EXPORTS
+    calls = []
+    m = EngineMetrics(_recording_pb_utils(calls), {"model": "llm", "version": "1"})
+
+    def finished_sent():
+        got = [(key[1], v) for op, key, v in calls if op == "increment" and key[0] == "llm_requests_finished_total"]
+        tokens = sum(v for op, key, v in calls if op == "increment" and key[0] == "llm_generation_tokens_total")
+        ttft = [v for op, key, v in calls if op == "observe" and key[0] == "llm_time_to_first_token_seconds"]
+        calls.clear()
+        return got, tokens, ttft
+
+    class Engine:
+        stale, healthy, steps = False, True, 0
+
+        def stats(self):
+            return EngineStats(async_steps_total=self.steps, stale=self.stale)
+
+        def is_healthy(self):
+            return self.healthy
+
+    eng = Engine()
+    m.first_token(0.25)
+    m.request_finished("length", num_prompt=4, num_generated=2)
+    eng.stale = True
+    m.export(eng, lambda: (0, 0.0))
+    assert finished_sent() == ([], 0, [])
+    m.request_finished("stop", num_prompt=4, num_generated=3)     # finished meanwhile
+    eng.stale, eng.steps = False, 6
+    m.export(eng, lambda: (0, 0.0))
+    assert finished_sent() == ([("length", 1), ("stop", 1)], 5, [0.25])
+
+    eng.stale = True   # a core that keeps missing the deadline: counted after the limit
+    m.request_finished("length", num_prompt=4, num_generated=1)
+    for _ in range(MAX_STALE_EXPORTS):
+        m.export(eng, lambda: (0, 0.0))
+        assert finished_sent() == ([], 0, [])
+    m.export(eng, lambda: (0, 0.0))
+    assert finished_sent() == ([("length", 1)], 1, [])
+    m.request_finished("stop", num_prompt=4, num_generated=1)   # and the limit starts again
+    m.export(eng, lambda: (0, 0.0))
+    assert finished_sent() == ([], 0, [])
+
+    eng.healthy = False  # gone: its last stats are all there will be
+    m.export(eng, lambda: (0, 0.0))
+    assert finished_sent() == ([("stop", 1)], 1, [])

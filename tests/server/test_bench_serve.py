@@ -87,6 +87,8 @@ def test_every_row_with_all_its_requests_and_no_errors(report):
         if r["path"] in ("Triton", "in-process AsyncEngine"):
             # Little's law over the point: never more streams open than asked for
             assert 0 < r["mean_in_flight"] <= r["concurrency"] * 1.001, (key, r)
+            if r["path"] == "Triton":  # the llm model's counters read over the point were its own
+                assert r["counters_cover_point"] is True, (key, r)
             # every request's prompt rides in some step: a share of the steps, not all of them
             # (outputs of OUTPUT tokens take decode steps of their own)
             assert 0 < r.get("prefill_step_share", 0) < 1 and r.get("host_us_per_step", 0) > 0, (key, r)
