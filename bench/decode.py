@@ -339,6 +339,9 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
     if variant:
         impl += f" [{variant}]"
     print(f"  {impl}: engine ready in {t_init:.1f} s", file=sys.stderr, flush=True)
+    picks = gemv_picks(eng, getattr(args, "copy_bandwidth", None))
+    for pk in picks:
+        print(f"  {impl}: {pick_line(pk)}", file=sys.stderr, flush=True)
     if mode == "on":
         assert eng.async_enabled, eng.decision
     emulated = bool(getattr(eng.decision, "emulated", False))
@@ -381,7 +384,8 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
         dec = b * (args.output_len - 1)
         row = Row(name, b, impl, window / (args.output_len - 1) * 1e3, dec / window, dec, window,
                   host_ms_per_step=host / max(steps, 1) * 1e3, steps=steps,
-                  extra={"async_token_handoff": mode, "emulated": emulated, "engine_init_s": round(t_init, 1)},
+                  extra={"async_token_handoff": mode, "emulated": emulated, "engine_init_s": round(t_init, 1),
+                         **({"gemv_picks": picks} if picks else {})},
                   sampling=smode)
         if args.device == "cuda":
             row.gpu_busy = max(0.0, 1.0 - sum(gaps) / 1e6 / window)
@@ -400,6 +404,64 @@ def bench_engine(spec: ModelSpec, mode: str, args, timeline: Optional[dict] = No
         print(f"  {impl}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated after it closed",
               file=sys.stderr, flush=True)
     return rows
+
+
+def _projection_name(prologue: int, n: int, k: int, rope: bool) -> str:
+    """Which one-token projection a decode_gemv shape is: the q/k/v projection carries the rope
+    epilogue (or, without it, is the norm-fed one no wider than 3 x hidden); gate_up is the
+    other norm-fed one."""
+    from backend_lib.layers.decode_gemv import PLAIN, SILU_MUL
+    if prologue == PLAIN:
+        return "o_proj"
+    if prologue == SILU_MUL:
+        return "down"
+    return "qkv" if rope or n <= 3 * k else "gate_up"
+
+
+def gemv_picks(eng, copy_bw: Optional[float]) -> list[dict]:
+    """The engine's one-token projections as start-up tuning left them, one dict a shape: the
+    tile it picked, and when it timed them in this engine (not a pick kept from an earlier
+    engine or start), the pick's µs and its fraction of the copy bandwidth, the unfused ops'
+    µs and the fastest candidate of each other kind (bench.gemv_shapes times them all). Empty
+    without the kernel (CPU, a pipeline)."""
+    from bench.gemv_shapes import PROLOGUE_NAMES, rows_for, tile_label
+    table = getattr(getattr(eng, "runner", None), "one_token_gemv", None)
+    if table is None:
+        return []
+    elem = next(eng.runner.model.parameters()).element_size()
+    out = []
+    for key, cfg in table.configs.items():
+        prologue, n, k, _, rope = key
+        name = _projection_name(prologue, n, k, rope)
+        pick = {"proj": name, "prologue": PROLOGUE_NAMES.get(prologue, str(prologue)), "n": n, "k": k,
+                "pick": "unfused (op + cuBLAS)" if cfg is None else tile_label(cfg)}
+        times = table.timings.get(key)
+        if times:
+            rows = rows_for(name, n, k, prologue, times, cfg, elem, copy_bw or 0.0)
+            chosen = next(r for r in rows if r["chosen"])
+            pick.update(us=chosen["us"], of_copy=chosen["of_copy"], unfused_us=times.get(None))
+            # the fastest of each kind the tuner weighed: plain tiles, split-K, two tiles ahead
+            for kind, test in (("plain", lambda c: c.split_k == 1 and c.ahead == 1),
+                               ("split_k", lambda c: c.split_k > 1), ("ahead", lambda c: c.ahead > 1)):
+                timed = [(us, c) for c, us in times.items() if c is not None and test(c)]
+                if timed:
+                    us, c = min(timed, key=lambda t: t[0])
+                    pick[f"best_{kind}"] = {"tile": tile_label(c), "us": us}
+        else:
+            pick["kept"] = True
+        out.append(pick)
+    return out
+
+
+def pick_line(pk: dict) -> str:
+    head = f"decode gemv {pk['proj']} ({pk['prologue']}) {pk['n']} x {pk['k']}: {pk['pick']}"
+    if pk.get("kept"):
+        return head + " (kept from an earlier tuning)"
+    of = "" if pk.get("of_copy") is None else f", {pk['of_copy']:.2f} of copy"
+    unfused = "" if pk.get("unfused_us") is None else f"; unfused {pk['unfused_us']:.2f}"
+    best = "".join(f"; best {kind.removeprefix('best_').replace('_', '-')} {pk[kind]['tile']} {pk[kind]['us']:.2f}"
+                   for kind in ("best_plain", "best_split_k", "best_ahead") if kind in pk)
+    return f"{head}, {pk['us']:.2f} µs{of}{unfused}{best}"
 
 
 # ---- output ----------------------------------------------------------------------------------------------
@@ -598,6 +660,7 @@ def main(argv=None) -> int:
     if cuda:
         bandwidth = measure_copy_bandwidth()
         meta["copy_bandwidth_Bps"] = bandwidth
+        args.copy_bandwidth = bandwidth   # the projections' picks are reported against it
         print(f"  device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s", file=sys.stderr, flush=True)
     tl_target = _timeline_target(args, models)
     timeline = None

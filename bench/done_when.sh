@@ -25,8 +25,12 @@ case "$part" in
   decode)
     for preset in qwen2.5-0.5b llama-3-8b; do
       timeout 280 "$PY" -m bench.decode --device cuda --impls async --timeline '' --batches 1,8,64,256 \
-        --preset "$preset" --out "$OUT/decode_$preset.json" 2>&1 | grep -v "^\s*$" | tail -16
-      echo "decode $preset rc=${PIPESTATUS[0]}"
+        --preset "$preset" --out "$OUT/decode_$preset.json" > "$OUT/decode_$preset.log" 2>&1
+      rc=$?
+      # the tuner's pick for each projection (share of the copy bandwidth), then the table
+      grep "decode gemv" "$OUT/decode_$preset.log"
+      grep -v "^\s*$" "$OUT/decode_$preset.log" | grep -v "decode gemv" | tail -16
+      echo "decode $preset rc=$rc"
     done ;;
   hf)
     for preset in qwen2.5-0.5b llama-3-8b; do

@@ -53,8 +53,8 @@ def rows_for(name: str, n: int, k: int, prologue: int, times: dict, chosen, elem
     for cfg, us in sorted(times.items(), key=lambda kv: kv[1]):
         label = "unfused (op + cuBLAS)" if cfg is None else tile_label(cfg)
         tbps = wbytes / (us * 1e-6) / 1e12
-        out.append(dict(proj=name, prologue=PROLOGUE_NAMES[prologue], n=n, k=k, variant=label, us=us,
-                        tb_s=tbps, of_copy=tbps * 1e12 / copy_bw if copy_bw else None,
+        out.append(dict(proj=name, prologue=PROLOGUE_NAMES.get(prologue, str(prologue)), n=n, k=k,
+                        variant=label, us=us, tb_s=tbps, of_copy=tbps * 1e12 / copy_bw if copy_bw else None,
                         chosen=cfg == chosen))
     return out
 

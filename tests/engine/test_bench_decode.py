@@ -56,3 +56,51 @@ def test_prefill_steps_capture_no_mixed_graphs(tmp_path, built):
     _run(tmp_path)
     (eng,) = built
     assert eng.config.enable_cuda_graph and not eng.config.cuda_graph_mixed
+
+
+def _engine_with_picks(configs, timings):
+    """An engine as gemv_picks reads it: its runner's tuned decode_gemv table and a bf16 model."""
+    import types
+
+    import torch
+    table = types.SimpleNamespace(configs=configs, timings=timings)
+    model = torch.nn.Linear(2, 2, dtype=torch.bfloat16)
+    return types.SimpleNamespace(runner=types.SimpleNamespace(one_token_gemv=table, model=model))
+
+
+def test_the_projections_picks_name_each_shape_and_its_share_of_the_copy_bandwidth():
+    """bench.decode reports the tuner's pick for each one-token projection (the H200 question:
+    does a tile with more weight in flight win its q/k/v?), with the fastest candidate of each
+    kind beside it; a pick kept from an earlier tuning has no times to report."""
+    from backend_lib.layers.decode_gemv import ADD_RMSNORM, PLAIN, SILU_MUL, GemvConfig
+    plain, split = GemvConfig(8, 1024, 4), GemvConfig(8, 512, 4, 4)
+    chunked = GemvConfig(8, 512, 4, ahead=2, norm_block=1024)
+    qkv, o_proj = (ADD_RMSNORM, 6144, 4096, False, True), (PLAIN, 4096, 4096, False, False)
+    gate_up, down = (ADD_RMSNORM, 28672, 4096, False, False), (SILU_MUL, 4096, 14336, False, False)
+    eng = _engine_with_picks({qkv: chunked, o_proj: split, gate_up: plain, down: None},
+                             {qkv: {None: 30.0, plain: 17.5, chunked: 15.0},
+                              o_proj: {None: 15.0, plain: 12.0, split: 10.0},
+                              down: {None: 40.0, plain: 41.0}})
+    picks = decode.gemv_picks(eng, 4.0e12)
+    assert [(p["proj"], p["pick"]) for p in picks] == [
+        ("qkv", "8x512 w4 ahead 2 norm 1024"), ("o_proj", "8x512 w4 split 4"), ("gate_up", "8x1024 w4"),
+        ("down", "unfused (op + cuBLAS)")]
+    q, o, g, d = picks
+    assert q["us"] == 15.0 and q["unfused_us"] == 30.0
+    assert abs(q["of_copy"] - 6144 * 4096 * 2 / 15e-6 / 4.0e12) < 1e-9
+    assert q["best_plain"] == {"tile": "8x1024 w4", "us": 17.5} and q["best_ahead"]["us"] == 15.0
+    assert "best_split_k" not in q and o["best_split_k"] == {"tile": "8x512 w4 split 4", "us": 10.0}
+    assert g == {"proj": "gate_up", "prologue": "add+rmsnorm", "n": 28672, "k": 4096, "pick": "8x1024 w4",
+                 "kept": True}
+    assert d["us"] == 40.0 and d["unfused_us"] == 40.0
+    assert decode.pick_line(q) == ("decode gemv qkv (add+rmsnorm) 6144 x 4096: 8x512 w4 ahead 2 norm 1024, "
+                                   "15.00 µs, 0.84 of copy; unfused 30.00; best plain 8x1024 w4 17.50; "
+                                   "best ahead 8x512 w4 ahead 2 norm 1024 15.00")
+    assert decode.pick_line(g) == "decode gemv gate_up (add+rmsnorm) 28672 x 4096: 8x1024 w4 (kept from an earlier tuning)"
+
+
+def test_an_engine_without_the_kernel_reports_no_picks(tmp_path, built):
+    """On CPU the one-token projections are torch's: no picks, and the rows carry none."""
+    data = _run(tmp_path)
+    assert decode.gemv_picks(built[0], None) == []
+    assert all("gemv_picks" not in r["extra"] for r in data["rows"])
