@@ -422,7 +422,7 @@ def gemv_picks(eng, copy_bw: Optional[float]) -> list[dict]:
     """The engine's one-token projections as start-up tuning left them, one dict a shape: the
     tile it picked, and when it timed them in this engine (not a pick kept from an earlier
     engine or start), the pick's µs and its fraction of the copy bandwidth, the unfused ops'
-    µs and the fastest candidate of each other kind (bench.gemv_shapes times them all). Empty
+    µs and the fastest candidate of each kind (bench.gemv_shapes times them all). Empty
     without the kernel (CPU, a pipeline)."""
     from bench.gemv_shapes import PROLOGUE_NAMES, rows_for, tile_label
     table = getattr(getattr(eng, "runner", None), "one_token_gemv", None)
@@ -454,6 +454,7 @@ def gemv_picks(eng, copy_bw: Optional[float]) -> list[dict]:
 
 
 def pick_line(pk: dict) -> str:
+    """One gemv_picks entry as the line bench.decode prints (done_when.sh greps "decode gemv")."""
     head = f"decode gemv {pk['proj']} ({pk['prologue']}) {pk['n']} x {pk['k']}: {pk['pick']}"
     if pk.get("kept"):
         return head + " (kept from an earlier tuning)"
