@@ -487,6 +487,12 @@ def make_repository(root: Path, params: dict[str, str], with_text_models: bool =
     return root
 
 
+# How long a point waits for the llm model's counters to cover it: an export comes every
+# stats_interval_ms, and one whose engine stats are stale (the core did not answer within 2 s)
+# holds the finished counts back for up to 3 exports (triton_glue/metrics.py).
+COUNTERS_TIMEOUT_S = 30.0
+
+
 class TritonServer:
     def __init__(self, repo: Path, log_path: Path, start_timeout_s: float, core_profile: Optional[Path] = None):
         from triton_glue import launch
@@ -547,7 +553,8 @@ class TritonServer:
                 return got
             time.sleep(0.1)
 
-    def counters_covering(self, before: dict[str, float], timeout_s: float = 15.0) -> tuple[dict[str, float], bool]:
+    def counters_covering(self, before: dict[str, float],
+                          timeout_s: float = COUNTERS_TIMEOUT_S) -> tuple[dict[str, float], bool]:
         """POINT_COUNTERS once the llm model's exported engine stats cover every request Triton
         has ended since `before`, and whether they did. The model exports them from its monitor
         thread every stats interval, and a busy host can hold that thread up for longer than a
@@ -728,9 +735,10 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     gpu = busy.mean(t0, t1)
     after, covered = srv.counters_covering(before)
     if not covered:
-        unread = any(v != v for v in before.values())
-        log(f"{label} {wl} {sampling} c={c}: the llm model's counters did not cover the point "
-            f"({'unreadable before it' if unread else 'within 15 s'}); its engine columns are partial")
+        why = ("unreadable before it" if any(v != v for v in before.values())
+               else f"within {COUNTERS_TIMEOUT_S:.0f} s")
+        log(f"{label} {wl} {sampling} c={c}: the llm model's counters did not cover the point ({why}); "
+            "its engine columns are partial")
     d = {k: after[k] - before[k] for k in POINT_COUNTERS}
     failures = d["nv_inference_request_failure"]
     sent, send_s = d["llm_responses_sent_total"], d["llm_response_send_seconds_total"]
