@@ -493,6 +493,11 @@ def make_repository(root: Path, params: dict[str, str], with_text_models: bool =
 COUNTERS_TIMEOUT_S = 30.0
 
 
+def _read_failed(counters: dict[str, float]) -> bool:
+    """A metric_sums read that failed (its values are nan)."""
+    return any(v != v for v in counters.values())
+
+
 class TritonServer:
     def __init__(self, repo: Path, log_path: Path, start_timeout_s: float, core_profile: Optional[Path] = None):
         from triton_glue import launch
@@ -549,7 +554,7 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while True:
             got = self.metric_sums(POINT_COUNTERS)
-            if not any(v != v for v in got.values()) or time.monotonic() >= deadline:
+            if not _read_failed(got) or time.monotonic() >= deadline:
                 return got
             time.sleep(0.1)
 
@@ -565,7 +570,7 @@ class TritonServer:
         last = None
         while True:
             after = self.metric_sums(POINT_COUNTERS)
-            if not any(v != v for v in after.values()):   # nan: the read failed
+            if not _read_failed(after):
                 last = after
                 ended = sum(after[k] - before[k] for k in ("nv_inference_request_success",
                                                            "nv_inference_request_failure"))
@@ -576,6 +581,7 @@ class TritonServer:
                     return after, True
             if time.monotonic() >= deadline:
                 return last or after, False
+            time.sleep(0.1)
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -735,7 +741,7 @@ def perf_point(args, srv: TritonServer, label, wl, sampling, c, data: Path, busy
     gpu = busy.mean(t0, t1)
     after, covered = srv.counters_covering(before)
     if not covered:
-        why = ("unreadable before it" if any(v != v for v in before.values())
+        why = ("unreadable before it" if _read_failed(before)
                else f"within {COUNTERS_TIMEOUT_S:.0f} s")
         log(f"{label} {wl} {sampling} c={c}: the llm model's counters did not cover the point ({why}); "
             "its engine columns are partial")
