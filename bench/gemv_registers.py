@@ -55,12 +55,11 @@ def compile_candidate(cfg, prologue: int, k: int, rope: bool, heads: tuple[int, 
     from backend_lib.layers import decode_gemv as dg
     fn = dg._gemv_kernel
     hq, hkv, d = heads
-    norm = prologue in (dg.RMSNORM, dg.ADD_RMSNORM)
     constexprs = dict(
         PROLOGUE=prologue, HAS_BIAS=False, USE_PDL=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROPE=rope,
         HQ=hq, HKV=hkv, HEAD_DIM=d, HALF=d // 2, EARLY_RELEASE=True, ATTN_BLOCK_N=64, SPLIT_CHUNK=8,
         SPLIT_K=cfg.split_k > 1,
-        NORM_BLOCK=min(triton.next_power_of_2(k), cfg.norm_block or dg._NORM_BLOCK_MAX) if norm else 16,
+        NORM_BLOCK=dg.norm_block(cfg, prologue, k),
         L2_PREFETCH=False, PF_THREADS=cfg.num_warps * 32, AHEAD2=cfg.ahead == 2)
     signature = {a: "constexpr" if a in constexprs else "*bf16" if a in _POINTERS else
                  "*i64" if a in ("POS", "SLOT") else "i32" if a in _INTS else "fp32" for a in fn.arg_names}

@@ -112,6 +112,14 @@ L2_PREFETCH_MAX_BYTES = 32 << 20
 _NORM_BLOCK_MAX = 4096
 
 
+def norm_block(cfg: GemvConfig, prologue: int, k: int) -> int:
+    """The kernel's NORM_BLOCK: the row values a load of the norm's sum of squares reads (16,
+    unused, for the prologues without a norm)."""
+    if prologue not in (RMSNORM, ADD_RMSNORM):
+        return 16
+    return min(triton.next_power_of_2(k), cfg.norm_block or _NORM_BLOCK_MAX)
+
+
 if HAS_TRITON:
     # The prologue codes as the kernels see them (a jit function reads only constexpr globals).
     _K_RMSNORM = tl.constexpr(RMSNORM)
@@ -438,8 +446,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
     if prologue == ADD_RMSNORM:
         new_res = torch.empty_like(residual) if residual_out is None else residual_out
     k_per_split = _k_per_split(k, cfg.split_k) if split else k
-    norm_block = (min(triton.next_power_of_2(k), cfg.norm_block or _NORM_BLOCK_MAX)
-                  if prologue in (RMSNORM, ADD_RMSNORM) else 16)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = functools.partial(_gemv_kernel.warmup, grid=grid) if warmup else _gemv_kernel[grid]
     launch(
@@ -448,7 +454,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
         n, k, eps, w.stride(0), *rope_args, x, x, x, 0, zero if split else x, k_per_split,
         PROLOGUE=prologue, HAS_BIAS=b is not None, USE_PDL=pdl, EARLY_RELEASE=early_release,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, SPLIT_K=split,
-        NORM_BLOCK=norm_block, AHEAD2=cfg.ahead == 2, **rope_meta, **_prefetch_meta(l2_prefetch, w, cfg),
+        NORM_BLOCK=norm_block(cfg, prologue, k), AHEAD2=cfg.ahead == 2, **rope_meta,
+        **_prefetch_meta(l2_prefetch, w, cfg),
         **pdl_launch(pdl))
     return y, new_res
 
