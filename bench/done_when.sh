@@ -5,6 +5,8 @@
 # repository root, with `carry` empty (.gpu_triton is tracked):
 #
 #   bash bench/done_when.sh decode     # issue 12: both shapes, batches 1/8/64/256, beside the weight roofline
+#                                      #           (PRESETS / BATCHES narrow it for a short budget, e.g.
+#                                      #           PRESETS=llama-3-8b BATCHES=1: the 8B target alone, at most 280 s)
 #   bash bench/done_when.sh hf         # issue 12: HF generate, static cache, compiled, batch 1, 0.5B shape
 #   bash bench/done_when.sh hf8b       # issue 12: the same for the Llama-3-8B shape (a call of its own)
 #   bash bench/done_when.sh census     # issue 12: one 0.5B batch-1 step's kernels (torch profiler)
@@ -24,8 +26,8 @@ part="${1:-}"
 nvidia-smi -L 2>/dev/null
 case "$part" in
   decode)
-    for preset in qwen2.5-0.5b llama-3-8b; do
-      timeout 280 "$PY" -m bench.decode --device cuda --impls async --timeline '' --batches 1,8,64,256 \
+    for preset in ${PRESETS:-qwen2.5-0.5b llama-3-8b}; do
+      timeout 280 "$PY" -m bench.decode --device cuda --impls async --timeline '' --batches "${BATCHES:-1,8,64,256}" \
         --preset "$preset" --out "$OUT/decode_$preset.json" > "$OUT/decode_$preset.log" 2>&1
       rc=$?
       # the tuner's pick for each projection (share of the copy bandwidth), then the table
