@@ -612,6 +612,17 @@ def _check_newest_kv(newest_kv, q, hkv: int, d: int) -> tuple[torch.Tensor, torc
     return k, v
 
 
+def _paged_strides(q, k_cache, v_cache, block_tables, out) -> tuple:
+    """The element strides both paged kernels take, in their parameter order: q's row (a token,
+    or a sequence in decode) and head, each cache's page, slot and head, the block table's row,
+    and out's row and head."""
+    return (q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1))
+
+
 def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
                    counters: Optional[torch.Tensor], scale: float, num_splits: int, block_n: int, *,
                    checked: tuple, split: bool, pdl: bool, num_warps: int, num_stages: int,
@@ -625,11 +636,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         counters if counters is not None else seq_lens, kn, vn,
         float(scale) * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        *_paged_strides(q, k_cache, v_cache, block_tables, out),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         num_splits,
         G=g, GP=max(16, _next_pow2(g)), D=d, DP=_next_pow2(d), PAGE=page, BLOCK_N=block_n, SPLIT=split,
@@ -823,11 +830,7 @@ def paged_prefill_attention(
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
         float(scale) * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        *_paged_strides(q, k_cache, v_cache, block_tables, out),
         num_seqs,
         G=g, D=d, DP=dp, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PREC=_dot_prec(k_cache.dtype), FLAT=flat, BLOCK_Q=block_q,
