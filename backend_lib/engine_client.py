@@ -46,6 +46,7 @@ from .delivery import Delivery
 from .engine_stats import EngineStats
 from .interpreter import python_executable
 from .os_threads import NamedThread
+from .process_lifetime import signal_name
 from .output_sinks import STALL_POLL_S, Callback, OutputSinks, RequestStream, checked_delivery_threads
 from .request import FinishReason, RequestOutput, SamplingParams, validate_request
 from .wire_reader import FrameReader
@@ -518,10 +519,7 @@ def _exit_text(code: Optional[int]) -> str:
     if code is None:
         return "is not answering"
     if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
+        return f"was killed by {signal_name(-code)}"
     return f"exited with code {code}"
 
 

@@ -6,8 +6,17 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 
 from .os_threads import NamedThread
+
+
+def signal_name(signum: int) -> str:
+    """"SIGKILL" for 9; "signal 77" for a number the signal module does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def die_with_process(pid: int, thread_name: str) -> None:

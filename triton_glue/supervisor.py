@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from backend_lib.process_lifetime import signal_name
+
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 PR_SET_PDEATHSIG = 1
@@ -135,10 +137,7 @@ def stub_info(pid: int, server_pid: Optional[int] = None) -> Optional[StubInfo]:
 def exit_words(rc: int) -> str:
     """A Popen return code in words: "died of SIGABRT" or "exited with status 3"."""
     if rc < 0:
-        try:
-            return f"died of {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"died of signal {-rc}"
+        return f"died of {signal_name(-rc)}"
     return f"exited with status {rc}"
 
 
