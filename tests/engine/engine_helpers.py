@@ -4,8 +4,10 @@ Everything here is deterministic (seeded) and CPU-only.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -262,3 +264,46 @@ def set_env(monkeypatch, name: str, raw) -> None:
         monkeypatch.delenv(name, raising=False)
     else:
         monkeypatch.setenv(name, raw)
+
+
+class CallbackLog:
+    """What a client's delivery threads handed each request's callback: its outputs in order,
+    the threads that ran the callbacks, and every request whose callbacks overlapped (two at
+    once for one request would reorder its tokens)."""
+
+    def __init__(self):
+        self.calls: dict[str, list] = {}
+        self.threads: set[str] = set()
+        self.overlaps: list[str] = []
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def entered(self, out):
+        """Record `out` for the callback's duration (the body is the callback's own work)."""
+        with self._lock:
+            self.calls.setdefault(out.request_id, []).append(out)
+            self.threads.add(threading.current_thread().name)
+            if out.request_id in self._running:
+                self.overlaps.append(out.request_id)
+            self._running.add(out.request_id)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.discard(out.request_id)
+
+    def all_finished(self, n_requests: int) -> bool:
+        return len(self.calls) == n_requests and all(c[-1].finished for c in self.calls.values())
+
+    def streams_match(self, ref: Sequence[tuple[list[int], str]]) -> list[list]:
+        """Request r{i}'s callbacks carried ref[i]'s tokens in order, one final output last
+        with ref[i]'s finish reason; gives each request's outputs."""
+        streams = []
+        for i, (toks, reason) in enumerate(ref):
+            outs = self.calls[f"r{i}"]
+            assert [t for o in outs for t in o.new_token_ids] == toks, i
+            assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], i
+            assert str(outs[-1].finish_reason) == reason and outs[-1].num_output_tokens == len(toks), i
+            streams.append(outs)
+        return streams

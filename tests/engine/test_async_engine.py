@@ -7,7 +7,7 @@ import time
 import pytest
 
 from backend_lib import AsyncEngine, EngineConfig, SamplingParams
-from engine_helpers import EOS, greedy, make_engine, random_prompt
+from engine_helpers import CallbackLog, greedy, make_engine, random_prompt
 
 KW = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=120, max_num_batched_tokens=48,
           max_num_seqs=16)
@@ -273,9 +273,7 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference, deliver
     prompts, params, ref = generate_reference
     aeng = AsyncEngine(EngineConfig(model_path=path, **KW), merge_queued_outputs=True,
                        delivery_threads=delivery_threads)
-    calls: dict[str, list] = {}
-    lock = threading.Lock()
-    threads, running, overlaps = set(), set(), []
+    log = CallbackLog()
     # Callbacks run one after another, so a request hears from it every (active requests x
     # callback) seconds: half a step each makes that several steps (merged tokens) yet shorter
     # than a long request (tokens keep coming), however loaded the machine is.
@@ -292,35 +290,25 @@ def test_merged_outputs_when_the_callback_lags(path, generate_reference, deliver
     aeng.engine.step_rows = timed_step
 
     def cb(out):
-        with lock:
-            calls.setdefault(out.request_id, []).append(out)
-            threads.add(threading.current_thread().name)
-            if out.request_id in running:
-                overlaps.append(out.request_id)
-            running.add(out.request_id)
-        recent = sorted(step_s[-16:])
-        time.sleep(max(0.001, 0.5 * recent[len(recent) // 2] * delivery_threads))
-        with lock:
-            running.discard(out.request_id)
+        with log.entered(out):
+            recent = sorted(step_s[-16:])
+            time.sleep(max(0.001, 0.5 * recent[len(recent) // 2] * delivery_threads))
 
     try:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             aeng.add_request(f"r{i}", p, sp, callback=cb)
-        _wait(lambda: len(calls) == len(prompts) and all(c[-1].finished for c in calls.values()), 120)
+        _wait(lambda: log.all_finished(len(prompts)), 120)
     finally:
         aeng.shutdown()
     long_ones = 0
-    for i, (toks, reason) in enumerate(ref):
-        outs = calls[f"r{i}"]
-        assert [t for o in outs for t in o.new_token_ids] == toks, i
-        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], i
-        assert str(outs[-1].finish_reason) == reason and outs[-1].num_output_tokens == len(toks), i
+    for i, outs in enumerate(log.streams_match(ref)):
+        toks = ref[i][0]
         if len(toks) >= 24:
             long_ones += 1
             with_tokens = [o for o in outs if o.new_token_ids]
             assert 2 <= len(with_tokens) < len(toks), (i, [len(o.new_token_ids) for o in outs])
     assert long_ones >= 3
-    assert not overlaps and len(threads) == delivery_threads, (overlaps, threads)
+    assert not log.overlaps and len(log.threads) == delivery_threads, (log.overlaps, log.threads)
 
 
 def _out(rid, toks, total, finished=False, index=0):
