@@ -3,7 +3,7 @@ shapes (load_format=dummy), prompt 256, output 128, batch 1/8/64/256. Fast check
 
     PYTHONPATH=. python3 bench/smoke_gpu.py qwen0.5b,llama8b
 """
-import time, json, os, sys, tempfile, torch
+import time, os, sys, tempfile, torch
 from transformers import Qwen2Config, LlamaConfig, GenerationConfig
 from backend_lib import EngineConfig, LLMEngine, SamplingParams
 def preset_dir(name):

@@ -10,7 +10,7 @@ naming the key instead of a silently ignored typo.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import numpy as np
 

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from backend_lib import EngineConfig, LLMEngine, SamplingParams, resolve_async_handoff
+from backend_lib import EngineConfig, SamplingParams, resolve_async_handoff
 from engine_helpers import EOS, Spec, expected_from_reference, make_engine, random_prompt, run_specs
 from test_blocks import check_block_invariants
 

@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 
 from backend_lib import SamplingParams
 from backend_lib.layers.sampler import gumbel_noise, kept_mask, row_keys
-from engine_helpers import EOS, Spec, hf_logits, hf_model, make_engine, random_prompt, run_specs
+from engine_helpers import Spec, hf_logits, hf_model, make_engine, random_prompt, run_specs
 from test_blocks import check_block_invariants
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from triton_glue.inputs import InputError
-from triton_glue.trtllm import (IGNORED, UNSUPPORTED, parse_text_requests, parse_token_requests,
+from triton_glue.trtllm import (IGNORED, parse_text_requests, parse_token_requests,
                                 parse_word_list, to_word_list, word_list_batch)
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"

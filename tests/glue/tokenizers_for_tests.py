@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 CORPUS = [

@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from gpu_helpers import GPU_MARKS
 
 pytestmark = GPU_MARKS

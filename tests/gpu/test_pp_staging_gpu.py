@@ -5,8 +5,6 @@ copy; the tokens equal the PP=1 engine's on the same GPU over the churny workloa
 import sys
 from pathlib import Path
 
-import pytest
-
 from gpu_helpers import GPU_MARKS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pp"))

@@ -9,7 +9,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from .util import StreamClient, grpc_stream_one, http_post, joined
+from .util import grpc_stream_one, http_post, joined
 
 GOOD = {
     "ensemble": {"text_input": "Hello", "max_tokens": 3, "temperature": 0.0},

@@ -11,7 +11,7 @@ from backend_lib import SamplingParams
 from triton_glue.detokenizer import full_text
 
 from .conftest import BOTH_ENGINES
-from .util import StreamClient, http_post, wait_for
+from .util import StreamClient, wait_for
 
 N_STREAMS = 32
 

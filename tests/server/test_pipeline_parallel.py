@@ -6,7 +6,6 @@ import re
 import shutil
 
 import numpy as np
-import pytest
 
 from backend_lib import EngineConfig, LLMEngine, SamplingParams
 

@@ -14,7 +14,7 @@ import pytest
 
 from triton_glue import launch
 
-from .conftest import MODEL_DIR, ROOT, START_TIMEOUT_S, free_ports
+from .conftest import ROOT, START_TIMEOUT_S, free_ports
 from .util import wait_for
 
 openai = pytest.importorskip("openai", reason="the openai package is not installed (requirements.txt)")

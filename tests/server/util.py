@@ -3,7 +3,6 @@ several requests (multiplexed by request id) with their FINAL flags."""
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 import urllib.error
