@@ -12,7 +12,9 @@ It also checks the JSON types of HTTP generate requests: tritonserver 2.51 answe
 the wrong JSON type for an input (`"max_tokens": "3"`) with a 500 that names no field
 ("Unable to parse 'data': attempt to access JSON non-signed-integer as signed-integer"); the
 front answers 400 naming the key and the type the input takes (from the model's metadata).
-Keys that are not inputs are left alone: tritonserver passes them on as request parameters,
+So it does for what tritonserver would misread: an integer out of the input's range (2.51
+narrows it), a key given twice (2.51 reads the first, the models the last), JSON nested past
+Python's recursion limit. Keys that are not inputs are left alone: tritonserver passes them on as request parameters,
 and the models reject the ones they do not read.
 
 Everything else is passed through unchanged: method, path, query, headers (minus hop-by-hop
@@ -47,9 +49,11 @@ def json_type_problem(datatype: str, value: Any) -> Optional[str]:
     elif datatype == "BOOL":
         ok, kind = (lambda v: isinstance(v, bool)), "true or false"
     elif datatype.startswith("INT") or datatype.startswith("UINT"):
-        unsigned = datatype.startswith("UINT")
-        ok = (lambda v: isinstance(v, int) and not isinstance(v, bool) and (v >= 0 or not unsigned))
-        kind = "a non-negative integer" if unsigned else "an integer"
+        # tritonserver 2.51 narrows an integer out of the input's range without a word
+        # (4294967299 becomes 3 for an INT32)
+        lo, hi = integer_range(datatype)
+        ok = (lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi)
+        kind = f"an integer in [{lo}, {hi}]"
     elif datatype.startswith("FP") or datatype == "BF16":
         ok, kind = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
     else:
@@ -60,6 +64,40 @@ def json_type_problem(datatype: str, value: Any) -> Optional[str]:
             if not ok(x):
                 return f"must be {kind} or a list of them (input of type {datatype}), got {json.dumps(x)[:60]}"
     return None
+
+
+def integer_range(datatype: str) -> tuple[int, int]:
+    """[lo, hi] of a Triton integer datatype: INT32 -> [-2**31, 2**31 - 1]."""
+    unsigned = datatype.startswith("UINT")
+    bits = int(datatype[4:] if unsigned else datatype[3:])
+    return (0, (1 << bits) - 1) if unsigned else (-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def body_problem(body: bytes) -> tuple[Optional[str], Any]:
+    """(why tritonserver would misread a generate body, or None; the parsed document, or None
+    when it is not JSON: tritonserver's own answer names the JSON error then). tritonserver
+    reads the first of duplicated keys where the models' checks read the last."""
+    try:
+        return None, json.loads(body, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        return f"{e.args[0]}: given more than once in the request body", None
+    except RecursionError:
+        return "request body: JSON nested too deeply", None
+    except ValueError:
+        return None, None
 
 
 def too_large_message(size: Optional[int], limit: int) -> str:
@@ -150,8 +188,11 @@ class BodyLimitProxy:
         # both ways (Content-Encoding is tritonserver's business). force_close: one upstream
         # connection per request, closed after it: on SIGINT tritonserver 2.51 waits for every
         # open HTTP connection (idle keep-alive ones too) before it even starts stopping.
+        # skip_auto_headers: only the client's own headers go upstream; aiohttp's default
+        # Accept-Encoding would make tritonserver gzip answers for clients that cannot read them.
         self._session = ClientSession(connector=TCPConnector(limit=0, force_close=True), auto_decompress=False,
-                                      timeout=ClientTimeout(total=None, sock_connect=10))
+                                      timeout=ClientTimeout(total=None, sock_connect=10),
+                                      skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"))
         # client_max_size: aiohttp's own cap on request.read(), kept in step with ours
         app = web.Application(client_max_size=self.max_body)
         app.router.add_route("*", "/{tail:.*}", self._handle)
@@ -266,19 +307,14 @@ class BodyLimitProxy:
         m = GENERATE_PATH.match(request.path)
         if request.method != "POST" or m is None or request.headers.get("Content-Encoding"):
             return None
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            return None  # tritonserver's own answer names the JSON error
-        if not isinstance(doc, dict):
+        problem, doc = body_problem(body)
+        if problem is None and isinstance(doc, dict):
+            inputs = await self._input_types(m.group(1), m.group(2) or "")
+            problem = next((f"{key}: {p}" for key, value in doc.items()
+                            if key in inputs and (p := json_type_problem(inputs[key], value))), None)
+        if problem is None:
             return None
-        inputs = await self._input_types(m.group(1), m.group(2) or "")
-        for key, value in doc.items():
-            problem = json_type_problem(inputs[key], value) if key in inputs else None
-            if problem:
-                return web.Response(status=400, content_type="application/json",
-                                    text=json.dumps({"error": f"{key}: {problem}"}))
-        return None
+        return web.Response(status=400, content_type="application/json", text=json.dumps({"error": problem}))
 
     async def _input_types(self, model: str, version: str) -> dict[str, str]:
         """{input name: datatype} from the model's metadata (cached); {} when unavailable."""

@@ -16,7 +16,7 @@ import pytest
 
 web = pytest.importorskip("aiohttp.web")
 
-from triton_glue.http_front import BodyLimitProxy  # noqa: E402
+from triton_glue.http_front import BodyLimitProxy, body_problem  # noqa: E402
 
 LIMIT = 1000
 
@@ -33,6 +33,9 @@ def front():
     async def echo(request):
         body = await request.read()
         return web.json_response({"bytes": len(body), "path": request.path_qs})
+
+    async def headers(request):
+        return web.json_response({k.lower(): v for k, v in request.headers.items()})
 
     async def metadata(request):
         return web.json_response({"inputs": [{"name": "max_tokens", "datatype": "INT32", "shape": [1]},
@@ -60,6 +63,7 @@ def front():
         loop = asyncio.new_event_loop()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_post("/echo", echo)
+        app.router.add_post("/headers", headers)
         app.router.add_get("/v2/models/m", metadata)
         app.router.add_post("/v2/models/m/generate", echo)
         app.router.add_post("/v2/models/m/generate_stream", stream)
@@ -100,12 +104,52 @@ def test_bodies_within_the_limit_pass_unchanged(front):
     assert status == 200 and json.loads(text) == {"bytes": LIMIT, "path": "/echo?a=1"}
 
 
+def upstream_headers(port: int, headers: dict) -> dict:
+    """The headers tritonserver's side receives for a POST carrying exactly `headers`
+    (http.client adds none of its own but Host and Content-Length)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.putrequest("POST", "/headers", skip_accept_encoding=True)
+    for k, v in {**headers, "Content-Length": "2"}.items():
+        c.putheader(k, v)
+    c.endheaders(b"{}")
+    r = c.getresponse()
+    assert r.status == 200 and r.getheader("Content-Encoding") is None
+    return json.loads(r.read())
+
+
+def test_request_headers_reach_tritonserver_as_the_client_sent_them(front):
+    """No header of the proxy's own: an Accept-Encoding the client did not send made
+    tritonserver gzip its answers to curl and perf_analyzer, which cannot read them."""
+    _, port, _ = front
+    seen = upstream_headers(port, {"Content-Type": "application/json"})
+    for added in ("accept-encoding", "accept", "user-agent"):
+        assert added not in seen, seen
+    assert seen["content-type"] == "application/json"
+    seen = upstream_headers(port, {"Accept-Encoding": "gzip", "User-Agent": "perf_analyzer", "Accept": "*/*"})
+    assert (seen["accept-encoding"], seen["user-agent"], seen["accept"]) == ("gzip", "perf_analyzer", "*/*")
+    assert "content-type" not in seen, seen
+
+
 def test_generate_values_of_the_wrong_json_type_get_400_naming_the_key(front):
     _, port, _ = front
     status, text = request(port, "POST", "/v2/models/m/generate", json.dumps({"text_input": "a", "max_tokens": "3"}))
     assert status == 400 and json.loads(text)["error"].startswith("max_tokens: must be an integer"), text
     status, text = request(port, "POST", "/v2/models/m/generate", json.dumps({"text_input": 5, "max_tokens": 3}))
     assert status == 400 and json.loads(text)["error"].startswith("text_input: must be a string"), text
+    # tritonserver would narrow these without a word: 4294967299 -> 3
+    for big in (2 ** 31, 4294967299, -2 ** 31 - 1):
+        status, text = request(port, "POST", "/v2/models/m/generate", json.dumps({"text_input": "a", "max_tokens": big}))
+        assert status == 400, (big, status, text)
+        assert json.loads(text)["error"] == (f"max_tokens: must be an integer in [-2147483648, 2147483647] or a list of "
+                                             f"them (input of type INT32), got {big}"), text
+    status, _ = request(port, "POST", "/v2/models/m/generate", json.dumps({"text_input": "a", "max_tokens": 2 ** 31 - 1}))
+    assert status == 200
+    # tritonserver reads the first of two keys, the front's check and the models the last
+    status, text = request(port, "POST", "/v2/models/m/generate", '{"text_input": "a", "max_tokens": "3", "max_tokens": 3}')
+    assert status == 400 and json.loads(text)["error"] == "max_tokens: given more than once in the request body", text
+    # a body past the test's LIMIT; the front's real limit is megabytes
+    assert body_problem(b'{"text_input": "a", "max_tokens": ' + b"[" * 100000) == ("request body: JSON nested too deeply", None)
+    assert body_problem(b'{"a": [[1]]}') == (None, {"a": [[1]]}) and body_problem(b"{") == (None, None)
     # keys that are not inputs are the model's business (request parameters)
     status, _ = request(port, "POST", "/v2/models/m/generate", json.dumps({"text_input": "a", "temprature": "x"}))
     assert status == 200
