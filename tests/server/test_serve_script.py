@@ -1,9 +1,12 @@
 """`make serve` as the README runs it (scripts/serve.sh): tritonserver and the OpenAI frontend
-beside it, an engine setting changed through LLM_PARAM_<name> without editing config.pbtxt, and
-both processes gone after the server is stopped."""
+beside it, an engine setting changed through LLM_PARAM_<name> without editing config.pbtxt,
+perf_analyzer over plain HTTP through the public port's front, and both processes gone after the
+server is stopped."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -46,6 +49,24 @@ def _get(url: str) -> int:
         return 0
 
 
+def _perf_analyzer_over_http(url: str, tmp_path: Path) -> None:
+    """perf_analyzer's HTTP client sends no Accept-Encoding and cannot read a gzip answer: the
+    front must not ask tritonserver for one on its behalf (every request failed with "failed to
+    parse the request JSON buffer" when it did)."""
+    pa = ROOT / "build" / "bin" / "perf_analyzer"
+    if not pa.exists():
+        return  # scripts/install_triton.sh installs it; test_perf.py skips with the reason
+    data = tmp_path / "tensorrt_llm.json"
+    data.write_text(json.dumps({"data": [{"input_ids": {"content": [5, 6, 7], "shape": [3]},
+                                          "input_lengths": {"content": [3], "shape": [1]},
+                                          "request_output_len": {"content": [4], "shape": [1]}}]}))
+    r = subprocess.run([str(pa), "-m", "tensorrt_llm", "-u", url, "-i", "http", "--input-data", str(data),
+                        "--concurrency-range", "2", "--request-count", "8"], capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "error" not in out.lower() and "failed" not in out.lower(), out
+    assert int(re.search(r"Request count: (\d+)", out).group(1)) >= 8, out
+
+
 def test_make_serve_runs_server_and_openai_frontend(tmp_path):
     try:
         launch.find_triton()
@@ -74,6 +95,7 @@ def test_make_serve_runs_server_and_openai_frontend(tmp_path):
         assert '\\"max_num_seqs\\": 2,' in started or '"max_num_seqs": 2,' in started, started
         if not launch.cuda_driver_present():
             assert launch.CPU_NOTE in text  # tritonserver's CUDA error lines are explained
+        _perf_analyzer_over_http(f"127.0.0.1:{http}", tmp_path)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
