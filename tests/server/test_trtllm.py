@@ -15,7 +15,7 @@ from triton_glue.detokenizer import full_text
 from triton_glue.trtllm import parse_word_list
 
 from .conftest import BOTH_ENGINES
-from .util import StreamClient, grpc_stream_one
+from .util import StreamClient, grpc_stream_one, wait_for
 
 PROMPT = "The quick brown fox"
 N = 10
@@ -193,6 +193,8 @@ def test_unsupported_inputs_are_refused_by_name_neutral_ones_accepted(server, mo
 
 @BOTH_ENGINES
 def test_tensorrt_llm_stop_request_ends_the_stream_with_that_id(server):
+    """As TensorRT-LLM's executor ends a cancelled request (finish reason CANCELLED, no error):
+    the stopped stream's last response is a plain FINAL, and the stop request gets an empty one."""
     sc = StreamClient(server.grpc_url)
     try:
         c = sc.send("llm", {"input_ids": np.array([[1, 300, 301]], np.int32), "request_output_len": one(1500, np.int32),
@@ -203,13 +205,37 @@ def test_tensorrt_llm_stop_request_ends_the_stream_with_that_id(server):
         # TensorRT-LLM's stop signal: a request with the SAME request id and stop=true
         ctl = StreamClient(server.grpc_url)
         try:
-            ctl.send("llm", {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": one(0, np.int32),
-                             "request_output_len": one(0, np.int32), "stop": one(True, bool)}, "stop-me")
+            stop = ctl.send("llm", {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": one(0, np.int32),
+                                    "request_output_len": one(0, np.int32), "stop": one(True, bool)}, "stop-me")
             assert c.done.wait(60)
+            assert stop.done.wait(10) and not stop.errors and stop.finals == 1, stop.errors
         finally:
             ctl.close()
         n = sum(r.as_numpy("output_ids").shape[2] for r in c.responses if r.as_numpy("output_ids") is not None)
-        assert n < 1500 and c.finals == 1
+        assert 1 <= n < 1500 and c.finals == 1 and not c.errors, c.errors
+    finally:
+        sc.close()
+
+
+def test_ensemble_stream_aborted_in_llm_ends_with_its_final(server):
+    """`llm`'s abort FINAL carries no new tokens: postprocessing turns that empty chunk into ""
+    and the ensemble stream ends with its FINAL, not an error (as at shutdown; here the abort
+    is TensorRT-LLM's stop request, which reaches `llm` under the ensemble's request id)."""
+    sc = StreamClient(server.grpc_url)
+    try:
+        c = sc.send("ensemble", {"text_input": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True},
+                    "stop-ensemble")
+        assert wait_for(lambda: len(c.responses) >= 2, 60, 0.02), c.errors
+        ctl = StreamClient(server.grpc_url)
+        try:
+            ctl.send("llm", {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": one(0, np.int32),
+                             "request_output_len": one(0, np.int32), "stop": one(True, bool)}, "stop-ensemble")
+            assert c.done.wait(60)
+        finally:
+            ctl.close()
+        time.sleep(0.1)
+        assert not c.errors and c.finals == 1, c.errors
+        assert len(c.responses) < 1500 and c.last("text_output") is not None
     finally:
         sc.close()
 
@@ -238,3 +264,21 @@ def test_non_decoupled_proxies_survive_repeated_errors(server, model):
     out = r.as_numpy("output_ids" if model == "tensorrt_llm" else "text_output")
     assert out.size > 0
     assert "error_message" not in {o.name for o in r.get_response().outputs}
+
+
+
+def test_tensorrt_llm_grpc_deadline_aborts_the_request_in_the_engine(server):
+    """A non-decoupled gRPC client that gives up (its deadline passes) cancels its request:
+    `tensorrt_llm` aborts it in `llm`, which frees its slot and KV blocks at once instead of
+    generating its 1900 tokens for nobody (triton_glue/sync_proxy.py). An HTTP client that
+    disconnects cannot get this: tritonserver 2.51's HTTP front flags no cancellation."""
+    assert wait_for(server.idle)
+    aborted0 = server.metric("llm_requests_finished_total", reason="abort")
+    with pytest.raises(InferenceServerException, match="(?i)deadline"):
+        grpcclient.InferenceServerClient(server.grpc_url).infer("tensorrt_llm", [
+            tensor(grpcclient, "input_ids", np.array([[1, 300, 301]], np.int32)),
+            tensor(grpcclient, "request_output_len", one(1900, np.int32)),
+            tensor(grpcclient, "ignore_eos", one(True, bool))], client_timeout=2.0)
+    assert wait_for(lambda: server.metric("llm_requests_finished_total", reason="abort") == aborted0 + 1, 5), \
+        server.log_tail()
+    assert wait_for(server.idle, 5)

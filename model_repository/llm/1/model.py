@@ -55,7 +55,7 @@ FINALIZE_TIMEOUT_S = 5.0  # engine stop + final outputs, well inside the launche
 class _Group:
     """One Triton request: its response sender, shared by its batch rows (TensorRT-LLM clients
     send [B, ...] inputs; each row is one engine request). FINAL goes with the last row's end."""
-    __slots__ = ("sender", "rows", "remaining", "key", "bls", "lock", "closed", "error", "outputs")
+    __slots__ = ("sender", "rows", "remaining", "key", "bls", "lock", "closed", "error", "outputs", "stopped")
 
     def __init__(self, sender, size, bls=False, outputs=None):
         self.sender = sender
@@ -69,6 +69,9 @@ class _Group:
         self.lock = threading.Lock()
         self.closed = False
         self.error = None  # why the engine refused a row: the request's one error, on its last row's end
+        # ended by TensorRT-LLM's stop request: a plain FINAL, as its executor ends a cancelled
+        # request (finish reason CANCELLED), not the error a client's own cancel gets
+        self.stopped = False
 
 
 # No guard against a send() that never returns: that is a send to a BLS route's request whose
@@ -272,7 +275,7 @@ class TritonPythonModel:
                 return
             if "stop" in arrays and get_bool(arrays, "stop", False):
                 # TensorRT-LLM's stop request: end the in-flight request with this request id
-                self._cancel_key(tid)
+                self._cancel_key(tid, stopped=True)
                 sender.send(flags=FINAL)
                 return
             reject_unknown_parameters(request.parameters())
@@ -348,7 +351,7 @@ class TritonPythonModel:
         if out.finished and ctx.group.error is not None:
             self._send(ctx, _error_response(ctx.group.error, ctx.group.bls), True, only_if_last=True)
             return
-        if out.finished and ctx.cancelled and not ctx.group.bls:  # BLS: finish_reason "abort"
+        if out.finished and ctx.cancelled and not (ctx.group.bls or ctx.group.stopped):  # else finish_reason "abort"
             self._send(ctx, pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 "request cancelled", pb_utils.TritonError.CANCELLED)), True, only_if_last=True)
             return
@@ -447,10 +450,11 @@ class TritonPythonModel:
         key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
         self._cancel_key(key)
 
-    def _cancel_key(self, key):
+    def _cancel_key(self, key, stopped=False):
         with self._lock:
             group = self._by_key.get(key)
         if group is not None and group.rows:
+            group.stopped = group.stopped or stopped
             self._cancel(group.rows[0])
 
     def _cancel(self, ctx):
