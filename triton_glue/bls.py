@@ -138,10 +138,46 @@ class RequestHooks:
     def finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
         """The request ended ("stop", "length", "abort")."""
 
+    def failed(self) -> None:
+        """The request ended with an error (rejected upstream or in tokenization, a silent or
+        dead upstream) instead of finished()."""
+
+
+class _Once(RequestHooks):
+    """A request's hooks that it leaves exactly once: finished() or failed(), whichever comes
+    first (an error may still come after finished(), e.g. while the upstream is read out)."""
+
+    def __init__(self, hooks: RequestHooks):
+        self.hooks = hooks
+        self.ended = False
+
+    def tokens(self, n: int) -> None:
+        self.hooks.tokens(n)
+
+    def cancelling(self) -> None:
+        self.hooks.cancelling()
+
+    def cancelled(self) -> None:
+        self.hooks.cancelled()
+
+    def finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
+        if not self.ended:
+            self.ended = True
+            self.hooks.finished(reason, num_prompt, num_generated)
+
+    def failed(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.hooks.failed()
+
 
 class RouteHooks:
     def request(self, req: TextRequest) -> RequestHooks:
         return RequestHooks()
+
+    def error_message(self, message: str) -> str:
+        """The words of an error as this route's clients get them."""
+        return message
 
 
 class BlsRoute:
@@ -257,6 +293,7 @@ class BlsRoute:
             else:
                 (submit or self.submit)(request, parsed)
                 continue
+            message = self.hooks.error_message(message)
             request.get_response_sender().send(error_response(pb, message, answers_in_band(request)),
                                                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
@@ -287,10 +324,10 @@ class BlsRoute:
             try:
                 self._run(sender, req)
             except (InputError, _UpstreamError, UpstreamGone) as e:
-                sender.send_error(str(e))
+                sender.send_error(self.hooks.error_message(str(e)))
             except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
                 log.exception("BLS request failed")
-                sender.send_error(f"internal error: {e!r}")
+                sender.send_error(self.hooks.error_message(f"internal error: {e!r}"))
         finally:
             self._count_inflight(-1)
 
@@ -384,9 +421,16 @@ class BlsRoute:
             log.exception("BLS upstream cancel after a timeout failed")
 
     def _run(self, sender: Any, req: TextRequest) -> None:
+        hooks = _Once(self.hooks.request(req))
+        try:
+            self._stream(sender, req, hooks)
+        except BaseException:
+            hooks.failed()  # before the client hears of the error: the gauges are back by then
+            raise
+
+    def _stream(self, sender: Any, req: TextRequest, hooks: RequestHooks) -> None:
         pb = self.pb
         FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        hooks = self.hooks.request(req)
         ids, bad, stop_seqs = self._tokenize(req)
         n_gen = 0
         key = f"{CANCEL_PREFIX}{uuid.uuid4().hex}"

@@ -110,12 +110,17 @@ class SamplingFields:
     def check_ranges(self, prefix: str = "") -> None:
         """The engine's own range checks (SamplingParams.validate, its wording) on the values a
         text route forwards, before any reaches `llm`: InputError naming prefix + the field.
-        The limits that depend on the engine (max_model_len, vocabulary) stay the engine's."""
-        unbounded = 2**62
+        The limits that depend on the engine (max_model_len, vocabulary) stay the engine's: a
+        message here names them, the engine's own gives their values."""
+        # a number per limit that no request reaches, replaced by the limit's name in a message
+        unknown = {"max_model_len": 2**62, "vocab_size": 2**62 + 1, "max_stop_ids": 2**62 + 2}
         try:
-            self.to_params().validate(unbounded, unbounded, unbounded)
+            self.to_params().validate(**unknown)
         except ValueError as e:
-            raise InputError(prefix + str(e).split(" ", 1)[0], str(e)) from None
+            message = str(e)
+            for name, value in unknown.items():
+                message = message.replace(f"{value}] ({name})", f"{name}]").replace(str(value), name)
+            raise InputError(prefix + message.split(" ", 1)[0], message) from None
 
     def to_params(self, default_max_tokens: int = 16, default_temperature: float = 1.0):
         from backend_lib import SamplingParams

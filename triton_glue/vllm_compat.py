@@ -79,6 +79,13 @@ def _int_list(key: str, value: Any) -> list[int]:
 
 def parse_sampling_parameters(text: Optional[str]) -> tuple[SamplingFields, dict[str, Any]]:
     """Returns the engine knobs and the text-level options (stop strings, etc.)."""
+    try:
+        return _parse_sampling_parameters(text)
+    except RecursionError:  # JSON nested deeper than the parser (or a repr in a message) goes
+        raise InputError("sampling_parameters", "is nested too deeply") from None
+
+
+def _parse_sampling_parameters(text: Optional[str]) -> tuple[SamplingFields, dict[str, Any]]:
     samp = SamplingFields()
     extra: dict[str, Any] = {"stop": [], "bad_words": [], "include_stop_str_in_output": False,
                              "skip_special_tokens": True}

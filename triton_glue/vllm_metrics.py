@@ -21,6 +21,7 @@ from typing import Any
 from .bls import RequestHooks, RouteHooks
 from .inputs import TextRequest
 from .metrics import _Locked  # one owner of the serialized-metric wrapper
+from .vllm_compat import VLLM_ERROR_PREFIX
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
@@ -46,7 +47,8 @@ def report_custom_metrics(params: dict[str, str]) -> bool:
 
 
 class VllmRouteHooks(RouteHooks):
-    """Cancellation logs always; vllm:* metrics when `metrics` is on."""
+    """Cancellation logs and vllm_backend's wording of errors always; vllm:* metrics when
+    `metrics` is on."""
 
     def __init__(self, pb_utils: Any, labels: dict[str, str], metrics: bool, max_model_len: int = 2048):
         self.logger = pb_utils.Logger
@@ -56,6 +58,10 @@ class VllmRouteHooks(RouteHooks):
 
     def request(self, req: TextRequest) -> RequestHooks:
         return _Request(self, req)
+
+    def error_message(self, message: str) -> str:
+        # vllm_backend words every request error so, the upstream's and the tokenizer's too
+        return message if message.startswith(VLLM_ERROR_PREFIX) else VLLM_ERROR_PREFIX + message
 
     def _gauges(self, d_running: int, d_waiting: int) -> None:
         if self.m is None:
@@ -103,11 +109,22 @@ class _Request(RequestHooks):
     def cancelled(self) -> None:
         self.route.logger.log_info("[vllm] Successfully cancelled the request")
 
-    def finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
+    def _leave_gauges(self) -> bool:
+        """False when the request has left them already."""
         if self.done:
-            return
+            return False
         self.done = True
         self.route._gauges(-1 if not self.first else 0, -1 if self.first else 0)
+        return True
+
+    def failed(self) -> None:
+        # counted in no vllm:* series but the gauges: as in vLLM, where a rejected request
+        # never finishes
+        self._leave_gauges()
+
+    def finished(self, reason: str, num_prompt: int, num_generated: int) -> None:
+        if not self._leave_gauges():
+            return
         m = self.route.m
         if m is None:
             return

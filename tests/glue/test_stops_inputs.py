@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from triton_glue.inputs import InputError
+from triton_glue.inputs import InputError, SamplingFields
 from triton_glue.stops import StopStringMatcher
 from triton_glue.vllm_compat import parse_sampling_parameters, parse_vllm_request
 
@@ -68,6 +68,32 @@ def test_vllm_sampling_parameters_coercion():
     p = samp.to_params()
     assert (p.n, p.logprobs, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == \
         (4, 2, 0.5, -0.25, 1.2, 0.05)
+
+
+def test_range_errors_name_the_engine_limits_they_do_not_know():
+    # the text routes check ranges before `llm`, whose max_model_len and vocabulary they do not
+    # know: the message names the limit (the engine's own message gives its value)
+    for bad, message in [({"max_tokens": 0}, "sampling_parameters.max_tokens: max_tokens must be an integer in "
+                                             "[1, max_model_len] (got 0)"),
+                         ({"stop_token_ids": [-1]}, "sampling_parameters.stop_token_ids: stop_token_ids must hold "
+                                                    "token ids in [0, vocab_size) (got [-1])")]:
+        with pytest.raises(InputError) as e:
+            parse_sampling_parameters(json.dumps(bad))
+        assert str(e.value) == message
+    with pytest.raises(InputError) as e:  # llm_bls / ensemble (triton_glue/trtllm.py)
+        SamplingFields(max_tokens=0).check_ranges()
+    assert str(e.value) == "max_tokens: max_tokens must be an integer in [1, max_model_len] (got 0)"
+
+
+def test_deeply_nested_sampling_parameters_are_a_client_error():
+    for text in ("[" * 100000, '{"max_tokens": ' + "[" * 100000, '{"stop_token_ids": "' + "[" * 100000 + '"}'):
+        with pytest.raises(InputError) as e:
+            parse_sampling_parameters(text)
+        assert str(e.value) == "sampling_parameters: is nested too deeply"
+    with pytest.raises(InputError) as e:
+        parse_vllm_request({"text_input": np.array([b"hi"], dtype=object),
+                            "sampling_parameters": np.array([b"[" * 100000], dtype=object)})
+    assert str(e.value) == "Error generating stream: sampling_parameters: is nested too deeply"
 
 
 def test_vllm_request_defaults():
