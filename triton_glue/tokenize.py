@@ -41,9 +41,9 @@ def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) ->
 
 
 def words_to_single_token_ids(tokenizer: Any, field: str, words: Sequence[str]) -> list[int]:
-    """Stop/bad words for the token-level engine: each must be a single token (as a word
-    continuing text, i.e. with and without a leading space we accept whichever is one token).
-    Multi-token stop strings are matched on text by the llm_bls / vllm_model routes."""
+    """Bad words for the token-level engine: each must be a single token (as a word continuing
+    text, i.e. with and without a leading space we accept whichever is one token). Stop strings
+    need no such function: the text routes match them on text."""
     out: list[int] = []
     for w in words:
         if not w:
@@ -53,8 +53,8 @@ def words_to_single_token_ids(tokenizer: Any, field: str, words: Sequence[str]) 
             cands.append(tokenizer.encode(" " + w, add_special_tokens=False))
         single = [c[0] for c in cands if len(c) == 1]
         if not single:
-            raise InputError(field, f"{w!r} is {len(cands[0])} tokens; the ensemble route supports "
-                                    "single-token words only (use llm_bls for stop strings)")
+            raise InputError(field, f"{w!r} is {len(cands[0])} tokens; multi-token words are not "
+                                    "supported (single-token words only)")
         out.extend(dict.fromkeys(single))
     return out
 

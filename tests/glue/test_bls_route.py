@@ -192,7 +192,8 @@ def test_rejected_requests_leave_the_vllm_gauges(vllm_route):
          "Error generating stream: temperature: must be a finite number"),
         (lambda inputs: iter([_Response(error=_TritonError("stop_token_ids must hold token ids in [0, 400)"))]),
          {"stop_token_ids": [399]}, "Error generating stream: stop_token_ids must hold token ids in [0, 400)"),
-        (None, {"bad_words": ["a whole sentence here"]}, "Error generating stream: bad_words: "),
+        (None, {"bad_words": ["a whole sentence here"]},
+         "Error generating stream: bad_words: 'a whole sentence here' is 18 tokens; multi-token words are not supported"),
         (silent, {}, "Error generating stream: no response from model 'llm' within 0.3 s"),
         (tokens_then_error, {}, "Error generating stream: model 'llm' failed mid-stream"),
     ]
