@@ -13,12 +13,23 @@ error here ("Streaming is only supported in decoupled mode."). The upstream requ
 caller's (id "bls-..."): failures come back in-band in `error_message` (tritonserver 2.51
 loses the iterator id of an error response to a decoupled BLS request; see triton_glue/bls.py)
 and are turned into the client's error response here. Ended upstream iterators are released
-only at a later execute (upstream.HeldIterators, as in triton_glue/bls.py). pb_utils is passed in.
+only at a later execute (upstream.HeldIterators, as in triton_glue/bls.py).
+
+A gRPC client that goes away (deadline, cancelled call) cancels the request (tritonserver 2.51's
+HTTP front flags no cancellation: an HTTP client's disconnect goes unseen): with
+`cancel_upstream` (a target that takes `cancel_request_id` control requests, as `llm` does) the
+proxy polls the request's cancellation while it waits, sends that control request for the
+upstream request's id, and answers CANCELLED at once, so the engine frees the request's slot
+and KV blocks instead of generating for nobody. Without it (`llm_bls`: its own upstream request
+to `llm` has an id of its own, and r24.10's response iterators have no cancel()) the upstream
+runs to its end. pb_utils is passed in.
 """
 from __future__ import annotations
 
 import json
 import logging
+import queue
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,6 +43,13 @@ from .upstream import HeldIterators
 
 log = logging.getLogger("triton_glue.sync_proxy")
 STREAMING_ERROR = "Streaming is only supported in decoupled mode."
+# how often a request waiting on its upstream asks whether the client cancelled it
+CANCEL_POLL_S = 0.25
+_END = object()
+
+
+class _Cancelled(Exception):
+    """The client cancelled the request while it waited on the upstream."""
 
 
 def merge_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -67,9 +85,12 @@ def _text(a: Any) -> str:
 
 
 class SyncProxy:
-    def __init__(self, pb_utils: Any, target: str, max_workers: int = 256):
+    def __init__(self, pb_utils: Any, target: str, max_workers: int = 256, cancel_upstream: bool = False,
+                 cancel_poll_s: float = CANCEL_POLL_S):
         self.pb = pb_utils
         self.target = target
+        self.cancel_upstream = cancel_upstream
+        self.cancel_poll_s = cancel_poll_s
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"sync-{target}")
         self.iterators = HeldIterators()
 
@@ -88,17 +109,63 @@ class SyncProxy:
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             wanted = list(request.requested_output_names())
-            upstream = pb.InferenceRequest(model_name=self.target, inputs=list(request.inputs()),
-                                           request_id=f"{CANCEL_PREFIX}{uuid.uuid4().hex}",
+            key = f"{CANCEL_PREFIX}{uuid.uuid4().hex}"
+            upstream = pb.InferenceRequest(model_name=self.target, inputs=list(request.inputs()), request_id=key,
                                            requested_output_names=wanted + [ERROR_OUTPUT] if wanted else [])
-            self.pool.submit(self._run_safe, sender, upstream, ERROR_OUTPUT in wanted)
+            self.pool.submit(self._run_safe, sender, upstream, key, ERROR_OUTPUT in wanted)
         return None
 
-    def _run_safe(self, sender: Any, upstream: Any, keep_error_output: bool) -> None:
+    def _pump(self, upstream: Any, q: "queue.SimpleQueue") -> None:
+        responses = None
+        try:
+            responses = upstream.exec(decoupled=True)
+            for resp in responses:
+                q.put((resp, None))
+        except Exception as e:  # noqa: BLE001 - re-raised on the reading side
+            q.put((None, e))
+        finally:
+            if responses is not None:
+                self.iterators.hold(responses)
+            q.put((_END, None))
+
+    def _watched(self, sender: Any, upstream: Any) -> Any:
+        """The upstream's responses, read on a helper thread (neither exec() nor the iterator
+        can be interrupted) while the client's cancellation is polled; raises _Cancelled."""
+        q: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._pump, args=(upstream, q), name=f"sync-{self.target}-upstream",
+                         daemon=True).start()
+        while True:
+            try:
+                item, err = q.get(timeout=self.cancel_poll_s)
+            except queue.Empty:
+                if sender.is_cancelled():
+                    raise _Cancelled() from None
+                continue
+            if err is not None:
+                raise err
+            if item is _END:
+                return
+            yield item
+
+    def _cancel(self, key: str) -> None:
+        """Abort the upstream request `key` (it then ends with a final response, read out by its
+        helper thread)."""
+        pb = self.pb
+        ctl = pb.InferenceRequest(model_name=self.target, request_id=key + "-cancel",
+                                  inputs=[pb.Tensor("cancel_request_id", np.array([[key.encode()]], dtype=np.object_))],
+                                  requested_output_names=[])
+        responses = ctl.exec(decoupled=True)
+        try:
+            for _ in responses:
+                pass
+        finally:
+            self.iterators.hold(responses)
+
+    def _run_safe(self, sender: Any, upstream: Any, key: str, keep_error_output: bool) -> None:
         pb = self.pb
         try:
             rows, error = [], None
-            responses = upstream.exec(decoupled=True)
+            responses = self._watched(sender, upstream) if self.cancel_upstream else upstream.exec(decoupled=True)
             try:
                 for resp in responses:
                     if resp.has_error():
@@ -112,13 +179,20 @@ class SyncProxy:
                     if row:
                         rows.append(row)
             finally:
-                self.iterators.hold(responses)
+                if not self.cancel_upstream:
+                    self.iterators.hold(responses)
             if error is not None:
                 response = pb.InferenceResponse(error=pb.TritonError(error))
             elif not rows:
                 response = pb.InferenceResponse(error=pb.TritonError(f"{self.target} returned no output"))
             else:
                 response = pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in merge_rows(rows).items()])
+        except _Cancelled:
+            try:
+                self._cancel(key)
+            except Exception:  # noqa: BLE001 - best effort: the client is gone
+                log.exception("sync proxy upstream cancel failed")
+            response = pb.InferenceResponse(error=pb.TritonError("request cancelled", pb.TritonError.CANCELLED))
         except Exception as e:  # noqa: BLE001 - the request must get its one response
             log.exception("sync proxy request failed")
             response = pb.InferenceResponse(error=pb.TritonError(f"internal error: {e!r}"))
@@ -131,12 +205,13 @@ class SyncProxy:
 
 def proxy_model(pb_utils: Any, default_target: str) -> type:
     """The TritonPythonModel class of a proxy model (parameters `target_model`,
-    `max_concurrent_requests`)."""
+    `max_concurrent_requests`, `cancel_upstream`)."""
     class TritonPythonModel:
         def initialize(self, args):
             params = parameters_of(json.loads(args["model_config"]))
             self.proxy = SyncProxy(pb_utils, params.get("target_model", default_target),
-                                   int(params.get("max_concurrent_requests", "256")))
+                                   int(params.get("max_concurrent_requests", "256")),
+                                   params.get("cancel_upstream", "false").lower() == "true")
 
         def execute(self, requests):
             return self.proxy.execute(requests)

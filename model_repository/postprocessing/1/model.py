@@ -37,7 +37,9 @@ class TritonPythonModel:
     def _one(self, request):
         toks = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
         batch = toks.shape[0]
-        toks = toks.reshape(batch, -1, toks.shape[-1]) if toks.ndim >= 2 else toks.reshape(1, 1, -1)
+        # beams from the shape, not -1: an empty chunk (N = 0, e.g. `llm`'s abort FINAL) cannot infer it
+        toks = toks.reshape(batch, int(np.prod(toks.shape[1:-1])), toks.shape[-1]) if toks.ndim >= 2 \
+            else toks.reshape(1, 1, -1)
         beams = toks.shape[1]
         lens = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH")
         lens = lens.as_numpy().reshape(batch, beams) if lens is not None else \
