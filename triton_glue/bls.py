@@ -53,7 +53,8 @@ from .logprob_tensors import Logprobs
 from .stops import StopStringMatcher
 from .tokenize import encode_prompt, model_tokenizer, words_to_single_token_ids
 from .trtllm import parse_word_list, word_list_batch
-from .upstream import BoundedResponses, HeldIterators, UpstreamGone, UpstreamSilent, UpstreamWatch
+from .upstream import (BoundedResponses, HeldIterators, UpstreamGone, UpstreamSilent, UpstreamWatch,
+                       cancel_upstream_request)
 
 log = logging.getLogger("triton_glue.bls")
 # Triton request ids of the BLS routes' requests to `llm`: `llm` answers them in-band (no error
@@ -402,17 +403,7 @@ class BlsRoute:
                 return
             except Exception:  # noqa: BLE001
                 pass
-        pb = self.pb
-        ctl = pb.InferenceRequest(model_name=self.llm_model, request_id=key + "-cancel",
-                                  inputs=[pb.Tensor("cancel_request_id",
-                                                    np.array([[key.encode()]], dtype=np.object_))],
-                                  requested_output_names=[])
-        responses = ctl.exec(decoupled=True)
-        try:
-            for _ in responses:
-                pass
-        finally:
-            self.iterators.hold(responses)
+        cancel_upstream_request(self.pb, self.llm_model, key, self.iterators)
 
     def _cancel_quietly(self, key: str) -> None:
         try:

@@ -39,7 +39,7 @@ import numpy as np
 from .bls import CANCEL_PREFIX, ERROR_OUTPUT
 from .config import parameters_of
 from .inputs import get_bool
-from .upstream import HeldIterators
+from .upstream import HeldIterators, cancel_upstream_request
 
 log = logging.getLogger("triton_glue.sync_proxy")
 STREAMING_ERROR = "Streaming is only supported in decoupled mode."
@@ -147,20 +147,6 @@ class SyncProxy:
                 return
             yield item
 
-    def _cancel(self, key: str) -> None:
-        """Abort the upstream request `key` (it then ends with a final response, read out by its
-        helper thread)."""
-        pb = self.pb
-        ctl = pb.InferenceRequest(model_name=self.target, request_id=key + "-cancel",
-                                  inputs=[pb.Tensor("cancel_request_id", np.array([[key.encode()]], dtype=np.object_))],
-                                  requested_output_names=[])
-        responses = ctl.exec(decoupled=True)
-        try:
-            for _ in responses:
-                pass
-        finally:
-            self.iterators.hold(responses)
-
     def _run_safe(self, sender: Any, upstream: Any, key: str, keep_error_output: bool) -> None:
         pb = self.pb
         try:
@@ -189,7 +175,8 @@ class SyncProxy:
                 response = pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in merge_rows(rows).items()])
         except _Cancelled:
             try:
-                self._cancel(key)
+                # llm ends it with a final response, read out by its helper thread
+                cancel_upstream_request(self.pb, self.target, key, self.iterators)
             except Exception:  # noqa: BLE001 - best effort: the client is gone
                 log.exception("sync proxy upstream cancel failed")
             response = pb.InferenceResponse(error=pb.TritonError("request cancelled", pb.TritonError.CANCELLED))

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import numpy as np
+
 STUB_NAME = "triton_python_backend_stub"
 
 
@@ -160,6 +162,21 @@ class HeldIterators:
         (queued when their streams ended, before the unload) to have run."""
         with self._lock:
             self._held = []
+
+
+def cancel_upstream_request(pb: Any, model: str, key: str, iterators: HeldIterators) -> None:
+    """Ask `model` (one that takes `cancel_request_id` control requests, as `llm` does) to abort
+    its request `key`, and wait for the control request's FINAL. r24.10's BLS response
+    iterators have no cancel() of their own."""
+    ctl = pb.InferenceRequest(model_name=model, request_id=key + "-cancel",
+                              inputs=[pb.Tensor("cancel_request_id", np.array([[key.encode()]], dtype=np.object_))],
+                              requested_output_names=[])
+    responses = ctl.exec(decoupled=True)
+    try:
+        for _ in responses:
+            pass
+    finally:
+        iterators.hold(responses)
 
 
 class BoundedResponses:
