@@ -99,11 +99,13 @@ class _Sender:
     and is_cancelled() answers True without asking the server); errors go in-band to a BLS
     caller (in_band)."""
 
-    def __init__(self, pb: Any, sender: Any, in_band: bool = False):
+    def __init__(self, pb: Any, sender: Any, in_band: bool = False,
+                 stopped: Callable[[], bool] = lambda: False):
         self._pb = pb
         self._sender = sender
         self._final_flag = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self.in_band = in_band
+        self._stopped = stopped  # cancelled by a control request (CallerCancels)
         self.closed = False
 
     def send_error(self, message: str, code: Any = None) -> None:
@@ -121,7 +123,41 @@ class _Sender:
             self._sender.send(response)
 
     def is_cancelled(self) -> bool:
-        return self.closed or self._sender.is_cancelled()
+        return self.closed or self._stopped() or self._sender.is_cancelled()
+
+
+class CallerCancels:
+    """Requests that a caller cancelled with a control request naming their Triton request id
+    (`cancel_request_id`): the non-decoupled proxy `tensorrt_llm_bls` (triton_glue/sync_proxy.py)
+    has no other way, r24.10's BLS response iterators having no cancel(). Only ids in flight
+    are kept, so a late or unknown id leaves nothing behind."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._parts: dict[str, int] = {}  # request id -> its parts in flight (batch rows, n)
+        self._cancelled: set[str] = set()
+
+    def started(self, request_id: str) -> Callable[[], bool]:
+        """A part of request `request_id` starts; gives whether that request was cancelled."""
+        with self._lock:
+            self._parts[request_id] = self._parts.get(request_id, 0) + 1
+        return lambda: request_id in self._cancelled
+
+    def ended(self, request_id: str) -> None:
+        with self._lock:
+            left = self._parts.pop(request_id, 1) - 1
+            if left > 0:
+                self._parts[request_id] = left
+            else:
+                self._cancelled.discard(request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """False when no request of that id is in flight."""
+        with self._lock:
+            if request_id not in self._parts:
+                return False
+            self._cancelled.add(request_id)
+            return True
 
 
 class RequestHooks:
@@ -206,6 +242,7 @@ class BlsRoute:
         # waits on llm end with an error if its stub dies (2.51 would leave them waiting forever)
         self.upstream = UpstreamWatch(llm_model, on_death=self._upstream_died, gauge=self._alive_gauge(llm_model))
         self.iterators = HeldIterators()
+        self.caller_cancels = CallerCancels()
 
     def _route_gauge(self, name: str, description: str, value: float) -> Any:
         MF = getattr(self.pb, "MetricFamily", None)
@@ -308,7 +345,9 @@ class BlsRoute:
         """sender: the request's response sender, or a stand-in for it (a batch row's)."""
         sender = sender if sender is not None else request.get_response_sender()
         self._count_inflight(+1)
-        self.pool.submit(self._run_safe, _Sender(self.pb, sender, answers_in_band(request)), parsed)
+        rid = request.request_id() or ""
+        stopped = self.caller_cancels.started(rid) if rid else (lambda: False)
+        self.pool.submit(self._run_safe, _Sender(self.pb, sender, answers_in_band(request), stopped), parsed, rid)
 
     def close(self) -> None:
         self._closing.set()
@@ -320,7 +359,7 @@ class BlsRoute:
         self.iterators.close()
 
     # ---- worker thread --------------------------------------------------------------------
-    def _run_safe(self, sender: "_Sender", req: TextRequest) -> None:
+    def _run_safe(self, sender: "_Sender", req: TextRequest, request_id: str = "") -> None:
         try:
             try:
                 self._run(sender, req)
@@ -330,6 +369,8 @@ class BlsRoute:
                 log.exception("BLS request failed")
                 sender.send_error(self.hooks.error_message(f"internal error: {e!r}"))
         finally:
+            if request_id:
+                self.caller_cancels.ended(request_id)
             self._count_inflight(-1)
 
     def _tokenize(self, req: TextRequest) -> tuple[list[int], list[int], list[list[int]]]:

@@ -17,12 +17,11 @@ only at a later execute (upstream.HeldIterators, as in triton_glue/bls.py).
 
 A gRPC client that goes away (deadline, cancelled call) cancels the request (tritonserver 2.51's
 HTTP front flags no cancellation: an HTTP client's disconnect goes unseen): with
-`cancel_upstream` (a target that takes `cancel_request_id` control requests, as `llm` does) the
-proxy polls the request's cancellation while it waits, sends that control request for the
-upstream request's id, and answers CANCELLED at once, so the engine frees the request's slot
-and KV blocks instead of generating for nobody. Without it (`llm_bls`: its own upstream request
-to `llm` has an id of its own, and r24.10's response iterators have no cancel()) the upstream
-runs to its end. pb_utils is passed in.
+`cancel_upstream` (a target that takes `cancel_request_id` control requests, as `llm` and
+`llm_bls` do) the proxy polls the request's cancellation while it waits, sends that control
+request for the upstream request's id, and answers CANCELLED at once, so the engine frees the
+request's slot and KV blocks instead of generating for nobody. Without it the upstream runs to
+its end (r24.10's response iterators have no cancel()). pb_utils is passed in.
 """
 from __future__ import annotations
 

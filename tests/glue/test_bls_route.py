@@ -261,3 +261,20 @@ def test_parse_errors_are_worded_as_vllm_backend_and_deep_json_logs_nothing(vllm
         "Error generating stream: sampling_parameters: is nested too deeply",
         "Error generating stream: temprature: unknown parameter"]
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no traceback in the log
+
+
+def test_caller_cancels_keep_only_requests_in_flight():
+    """A control request cancels every part of a request in flight under its id, and nothing
+    else; once the request's parts have ended, its id leaves no trace (a late cancel is a no-op)."""
+    from triton_glue.bls import CallerCancels
+    cc = CallerCancels()
+    row0, row1, other = cc.started("bls-a"), cc.started("bls-a"), cc.started("bls-b")
+    assert not cc.cancel("bls-unknown")
+    assert cc.cancel("bls-a")
+    assert (row0(), row1(), other()) == (True, True, False)
+    cc.ended("bls-a")
+    assert row1()  # one part still runs
+    cc.ended("bls-a")
+    assert not cc.cancel("bls-a") and not cc.started("bls-a")()  # the id reused later starts clean
+    cc.ended("bls-a"), cc.ended("bls-b")
+    assert cc._parts == {} and cc._cancelled == set()

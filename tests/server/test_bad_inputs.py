@@ -29,6 +29,8 @@ def sp(**kw):
 HTTP_CASES = [
     ("ensemble", "missing text_input", {"max_tokens": 3}, "text_input"),
     ("llm_bls", "missing text_input", {"max_tokens": 3}, "text_input"),
+    # optional in llm_bls's config (a control request carries cancel_request_id alone)
+    ("llm_bls", "missing max_tokens", {"text_input": "Hi"}, "max_tokens"),
     ("vllm_model", "missing text_input", {"sampling_parameters": sp()}, "text_input"),
     ("ensemble", "empty prompt", {"text_input": "", "max_tokens": 3}, "text_input"),
     ("llm_bls", "empty prompt", {"text_input": "", "max_tokens": 3}, "text_input"),

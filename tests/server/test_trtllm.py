@@ -253,18 +253,25 @@ def test_non_decoupled_proxies_survive_repeated_errors(server, model):
     assert "error_message" not in {o.name for o in r.get_response().outputs}
 
 
-def test_tensorrt_llm_grpc_deadline_aborts_the_request_in_the_engine(server):
-    """A non-decoupled gRPC client that gives up (its deadline passes) cancels its request:
-    `tensorrt_llm` aborts it in `llm`, which frees its slot and KV blocks at once instead of
-    generating its 1900 tokens for nobody (triton_glue/sync_proxy.py). An HTTP client that
-    disconnects cannot get this: tritonserver 2.51's HTTP front flags no cancellation."""
+@pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_bls"])
+def test_non_decoupled_proxy_grpc_deadline_aborts_the_request_in_the_engine(server, model):
+    """A non-decoupled gRPC client that gives up (its deadline passes) cancels its request: the
+    proxy aborts it upstream (`llm`, or `llm_bls`, which aborts its own request to `llm`), so
+    the engine frees its slot and KV blocks at once instead of generating 1900 tokens for
+    nobody (triton_glue/sync_proxy.py). An HTTP client that disconnects cannot get this:
+    tritonserver 2.51's HTTP front flags no cancellation."""
     assert wait_for(server.idle)
     aborted0 = server.metric("llm_requests_finished_total", reason="abort")
+    if model == "tensorrt_llm":
+        inputs = [tensor(grpcclient, "input_ids", np.array([[1, 300, 301]], np.int32)),
+                  tensor(grpcclient, "request_output_len", one(1900, np.int32))]
+    else:
+        inputs = [tensor(grpcclient, "text_input", np.array([[PROMPT]], object)),
+                  tensor(grpcclient, "max_tokens", one(1900, np.int32))]
     with pytest.raises(InferenceServerException, match="(?i)deadline"):
-        grpcclient.InferenceServerClient(server.grpc_url).infer("tensorrt_llm", [
-            tensor(grpcclient, "input_ids", np.array([[1, 300, 301]], np.int32)),
-            tensor(grpcclient, "request_output_len", one(1900, np.int32)),
-            tensor(grpcclient, "ignore_eos", one(True, bool))], client_timeout=2.0)
+        grpcclient.InferenceServerClient(server.grpc_url).infer(
+            model, inputs + [tensor(grpcclient, "ignore_eos", one(True, bool))], client_timeout=2.0)
     assert wait_for(lambda: server.metric("llm_requests_finished_total", reason="abort") == aborted0 + 1, 5), \
         server.log_tail()
     assert wait_for(server.idle, 5)
+    assert wait_for(lambda: server.metric("bls_inflight_requests") == 0, 5)
