@@ -320,7 +320,8 @@ def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict
                      on_stop=front.stop if front is not None else None,
                      on_stub_death=front.fail_inflight if front is not None else None,
                      server_state=(lambda: _http_state(http_host, opts.http_port)) if http_on else (lambda: "unknown"),
-                     bls_inflight=lambda: _gauge_sum(metrics_host, opts.metrics_port, "bls_inflight_requests"))
+                     bls_inflight=lambda: _gauge_sum(metrics_host, opts.metrics_port, "bls_inflight_requests"),
+                     engines_healthy=lambda: _gauge_values(metrics_host, opts.metrics_port, "llm_engine_healthy"))
     return sup.run()
 
 
@@ -343,20 +344,27 @@ def _http_state(host: str, port: int) -> str:
 def _gauge_sum(host: str, port: int, name: str) -> Optional[float]:
     """The sum of a gauge's series on tritonserver's metrics endpoint (0 when it has none:
     no model reports it), None when the endpoint does not answer."""
+    values = _gauge_values(host, port, name)
+    return None if values is None else sum(values)
+
+
+def _gauge_values(host: str, port: int, name: str) -> Optional[list]:
+    """The values of a gauge's series on tritonserver's metrics endpoint ([] when no model
+    reports it), None when the endpoint does not answer."""
     import urllib.request
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=2) as r:
             text = r.read().decode(errors="replace")
     except Exception:  # noqa: BLE001 - unknown, the caller waits its bound
         return None
-    total = 0.0
+    values = []
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             try:
-                total += float(line.rsplit(" ", 1)[1])
+                values.append(float(line.rsplit(" ", 1)[1]))
             except ValueError:
                 return None
-    return total
+    return values
 
 
 if __name__ == "__main__":

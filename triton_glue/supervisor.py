@@ -20,6 +20,9 @@ So the supervisor
     once the BLS routes have ended the streams that waited on the dead stub with the error
     naming it (their `bls_inflight_requests` gauges read 0), at most `stub_death_grace_s`
     after the death: stopping sooner would break those gRPC streams with no reason given;
+  - watches the llm engines' health (the `llm_engine_healthy` gauges): an engine that died
+    (its process killed, its thread failed) fails every later request while tritonserver keeps
+    reporting ready, so it stops the server the same way as a stub death;
   - logs a tritonserver exit it did not ask for (a crash: the Python backend of 2.51 can
     abort the whole server when a stub dies, see tests/server/test_faults.py);
   - stops a server that is not ready `startup_timeout_s` after it started (exit status 1):
@@ -162,6 +165,8 @@ class Supervisor:
     stub_death_flush_s: float = 0.5
     # requests in flight in the BLS routes (the sum of their gauges), None when unknown
     bls_inflight: Callable[[], Optional[float]] = lambda: None
+    # the llm engines' health gauges (1 alive, 0 dead), None when unknown
+    engines_healthy: Callable[[], Optional[list]] = lambda: None
     poll_s: float = 0.5
     # until the server is first seen ready: "down" then means "not listening yet", so a SIGINT
     # sent to tritonserver right after it got ready is only recognised as a shutdown if one
@@ -184,6 +189,8 @@ class Supervisor:
     _stop_reason: Optional[str] = None
     _signalled: bool = False             # we sent tritonserver a signal (its exit status is ours)
     _stub_died: Optional[StubInfo] = None
+    _died: Optional[str] = None          # what died (a stub, an engine): the server is stopped for it
+    _engines_seen_healthy: bool = False  # a 0 counts only after every engine read 1 once
     _next_stub_scan: float = 0.0
     _never_ready: bool = False
     _death_at: Optional[float] = None    # when a stub death was seen: a stop is due
@@ -207,6 +214,7 @@ class Supervisor:
                     if time.monotonic() >= self._next_stub_scan:  # a /proc scan: at poll_s
                         self._next_stub_scan = time.monotonic() + self.poll_s
                         self._watch_stubs(state)
+                        self._watch_engines(state)
                     self._stop_if_due()
                     self._stop_if_never_ready(started)
                     if self._kill_at is not None and time.monotonic() >= self._kill_at:
@@ -226,7 +234,7 @@ class Supervisor:
                 self.on_stop(f"tritonserver {exit_words(rc) if rc is not None else 'was lost'} "
                              f"before this stream's final response")
             self._cleanup()
-        if (self._stub_died is not None or self._never_ready) and not crashed:
+        if (self._died is not None or self._never_ready) and not crashed:
             return 1
         return rc if rc >= 0 else 128 - rc  # a crash is reported as such, even after a stub death
 
@@ -295,18 +303,34 @@ class Supervisor:
             # every instance stub seen so far, also one that died before this first "ready"
             self._serving = {pid for pid, info in self.stubs.items() if info.instance}
         gone = sorted(self._serving - live)
-        if gone and self._stub_died is None and self.server_state() == "ready":
+        if gone and self._died is None and self.server_state() == "ready":
             info = self.stubs[gone[0]]
             self._stub_died = info
-            message = (f"the Python stub of model '{info.model}' (pid {info.pid}) died; tritonserver 2.51 "
-                       "neither restarts it nor answers the requests waiting on it")
-            log(f"error: {message}")
-            if self.on_stub_death is not None:
-                self.on_stub_death(f"{message}: the server is stopping")
-            self._death_at = time.monotonic()
+            self._death(f"stub of '{info.model}'", f"the Python stub of model '{info.model}' (pid {info.pid}) died; "
+                        "tritonserver 2.51 neither restarts it nor answers the requests waiting on it")
+
+    def _watch_engines(self, state: str) -> None:
+        if state != "ready" or self._stop_reason is not None or self._died is not None:
+            return
+        values = self.engines_healthy()
+        if not values:
+            return
+        if min(values) > 0:
+            self._engines_seen_healthy = True
+        elif self._engines_seen_healthy:
+            self._death("engine of 'llm'", "an engine of model 'llm' died (llm_engine_healthy 0; the log above "
+                        "says why); every request to it fails while tritonserver keeps reporting ready")
+
+    def _death(self, what: str, message: str) -> None:
+        """Something the server cannot serve without died: stop it (see _stop_if_due)."""
+        self._died = what
+        log(f"error: {message}")
+        if self.on_stub_death is not None:
+            self.on_stub_death(f"{message}: the server is stopping")
+        self._death_at = time.monotonic()
 
     def _stop_if_due(self) -> None:
-        """After a stub death: stop once the BLS routes have drained (and the flush time has
+        """After a death: stop once the BLS routes have drained (and the flush time has
         passed), or when the grace is over."""
         if self._death_at is None:
             return
@@ -318,8 +342,8 @@ class Supervisor:
         if drained or waited >= self.stub_death_grace_s:
             self._death_at = None
             if not drained:
-                log(f"the BLS routes still had requests in flight {waited:.1f} s after the stub died")
-            self.stop(f"stub of '{self._stub_died.model}' died")
+                log(f"the BLS routes still had requests in flight {waited:.1f} s after the {self._died} died")
+            self.stop(f"{self._died} died")
 
     def _stop_if_never_ready(self, started: float) -> None:
         if (self.startup_timeout_s is None or self._was_ready or self._stop_reason is not None

@@ -166,8 +166,39 @@ def _dead_stub_supervisor(inflight: list):
                       bls_inflight=lambda: inflight[0])
     s.child = _RunningServer()
     s._stub_died = sv.StubInfo(12, "llm", "r12", instance=True)
+    s._died = "stub of 'llm'"
     s._death_at = time.monotonic()
     return s
+
+
+def test_a_dead_engine_stops_the_server_as_a_dead_stub_does():
+    """llm_engine_healthy 0 (the engine process killed, the engine thread failed) while the
+    server reports ready: every later request would fail, so the server is stopped the same
+    bounded way. A 0 before every engine was once seen healthy (start-up) is no death; the
+    gauges read while the server is not ready are not looked at."""
+    from triton_glue import supervisor as sv
+
+    health = [[0.0]]
+    deaths = []
+    s = sv.Supervisor(argv=[], env={}, exit_timeout_s=1, on_stub_death=deaths.append,
+                      server_state=lambda: "ready", engines_healthy=lambda: health[0], bls_inflight=lambda: 0.0)
+    s.child = _RunningServer()
+    s._watch_engines("ready")
+    assert s._died is None                       # never seen healthy yet
+    health[0] = [1.0, 1.0]
+    s._watch_engines("ready")
+    health[0] = None
+    s._watch_engines("ready")                    # metrics endpoint busy: unknown
+    health[0] = [1.0, 0.0]
+    s._watch_engines("loading")
+    assert s._died is None
+    s._watch_engines("ready")
+    assert s._died == "engine of 'llm'" and len(deaths) == 1 and "engine of model 'llm' died" in deaths[0]
+    s._death_at -= s.stub_death_min_s
+    s._stop_if_due()
+    s._drained_at -= s.stub_death_flush_s
+    s._stop_if_due()
+    assert s._stop_reason == "engine of 'llm' died"
 
 
 def test_stub_death_stops_the_server_once_the_bls_routes_drained():

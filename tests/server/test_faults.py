@@ -427,6 +427,40 @@ def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
         srv.cleanup(regions)
 
 
+def test_engine_process_killed_stops_the_server(tmp_path):
+    """llm's engine process killed with streams in flight: every stream ends with an error
+    (the routes' "engine failed"), and since tritonserver would go on reporting ready while
+    every later request fails, the launcher stops it (exit status 1) and logs why, leaving
+    nothing behind."""
+    srv = launch_server(tmp_path, extra_env=engine_env("engine-process"))
+    regions: set[str] = set()
+    streams: list = []
+    try:
+        wait_ready(srv)
+        members, regions = snapshot(srv, "engine-process")
+        (core,) = [p for p in members if "backend_lib.engine_core" in p.argv]
+        streams = start_streams(srv)
+        running = [s for s in streams if not s.out.done.is_set()]
+        t0 = time.monotonic()
+        os.kill(core.pid, signal.SIGKILL)
+        summary = assert_all_ended(streams, t0, STUB_DEATH_BOUND_S)
+        odd = [row for s, row in zip(streams, summary)
+               if not (s.out.end == "error" or s.out.proto == "grpc" and s.out.end == "dropped"
+                       or finished_before_fault(s))]
+        assert not odd, (odd, srv.log_tail(300))
+        assert_some_broken(running)
+        srv.proc.wait(max(0.1, t0 + STUB_DEATH_BOUND_S - time.monotonic()))
+        assert srv.proc.returncode == 1, (srv.proc.returncode, srv.log_tail(300))
+        log = srv.log_tail(400)
+        assert "[serve] error: an engine of model 'llm' died" in log, log
+        assert "engine of 'llm' died: stopping tritonserver" in log, log
+        assert_nothing_left(srv, members, regions, time.monotonic() + 5)
+    finally:
+        for s in streams:
+            s.close()
+        srv.cleanup(regions)
+
+
 def aborted_in_response_send(srv: Launched) -> bool:
     """tritonserver 2.51 aborted because a stub died in the middle of sending a response.
 
