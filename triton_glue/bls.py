@@ -80,7 +80,9 @@ def error_response(pb: Any, message: str, in_band: bool, code: Any = None) -> An
     return pb.InferenceResponse(error=pb.TritonError(message) if code is None else pb.TritonError(message, code))
 UPSTREAM_LOGPROB_OUTPUTS = ["output_log_probs", "cum_log_probs", "top_logprob_ids", "top_logprobs",
                             "output_log_prob_ranks"]
-DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
+# off: a request waits on `llm` as long as the engine keeps it (queued behind max_num_seqs, as in
+# vLLM); a dead upstream is detected regardless (upstream.UpstreamWatch)
+DEFAULT_UPSTREAM_TIMEOUT_S: Optional[float] = None
 
 
 @dataclass
@@ -221,7 +223,7 @@ class BlsRoute:
     def __init__(self, pb_utils: Any, tokenizer: Any, *, llm_model: str = "llm",
                  preprocessing_model: Optional[str] = None, max_workers: int = 256,
                  make_response: Callable[[TextRequest, Chunk], Any], hooks: Optional[RouteHooks] = None,
-                 route_name: str = "bls", upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S,
+                 route_name: str = "bls", upstream_timeout_s: Optional[float] = DEFAULT_UPSTREAM_TIMEOUT_S,
                  instance_labels: Optional[dict[str, str]] = None):
         self.pb = pb_utils
         # this instance's own series when there are several (config.metric_labels)
@@ -232,7 +234,7 @@ class BlsRoute:
         self.llm_model = llm_model
         self.pre_model = preprocessing_model
         self.make_response = make_response
-        self.upstream_timeout_s = float(upstream_timeout_s)
+        self.upstream_timeout_s = None if upstream_timeout_s is None else float(upstream_timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="bls")
         self._closing = threading.Event()
         self._inflight_lock = threading.Lock()
@@ -296,13 +298,14 @@ class BlsRoute:
         (preprocessing=True) the `preprocessing_model` to tokenize through; preprocessing=False
         tokenizes in-process."""
         _, params, tok = model_tokenizer(args)
-        timeout = params.get("upstream_timeout_s", "") or str(DEFAULT_UPSTREAM_TIMEOUT_S)
+        timeout = params.get("upstream_timeout_s", "")
         try:
-            timeout_s = float(timeout)
+            timeout_s = float(timeout) if timeout else DEFAULT_UPSTREAM_TIMEOUT_S
         except ValueError:
             raise ValueError(f"parameter 'upstream_timeout_s' must be a number of seconds, not {timeout!r}") from None
-        if not timeout_s > 0:
-            raise ValueError(f"parameter 'upstream_timeout_s' must be > 0 (got {timeout!r})")
+        if timeout_s is not None and not timeout_s >= 0:
+            raise ValueError(f"parameter 'upstream_timeout_s' must be >= 0 (0: off; got {timeout!r})")
+        timeout_s = timeout_s or None
         return cls(pb_utils, tok, llm_model=params.get("llm_model", "llm"),
                    preprocessing_model=(params.get("preprocessing_model", "preprocessing") or None)
                    if preprocessing else None,
@@ -477,7 +480,7 @@ class BlsRoute:
 
         bounded = BoundedResponses(responses(), self.upstream, silence_s=self.upstream_timeout_s,
                                    silence_message=f"no response from model '{self.llm_model}' within "
-                                                   f"{self.upstream_timeout_s:g} s (parameter upstream_timeout_s)")
+                                                   f"{self.upstream_timeout_s or 0:g} s (parameter upstream_timeout_s)")
 
         def guarded():  # a silent upstream may only be slow: ask it to stop, off this thread
             try:

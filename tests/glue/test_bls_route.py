@@ -6,6 +6,7 @@ import json
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -278,3 +279,38 @@ def test_caller_cancels_keep_only_requests_in_flight():
     assert not cc.cancel("bls-a") and not cc.started("bls-a")()  # the id reused later starts clean
     cc.ended("bls-a"), cc.ended("bls-b")
     assert cc._parts == {} and cc._cancelled == set()
+
+
+def test_a_request_queued_for_minutes_is_served_by_default(monkeypatch):
+    """By default a BLS route waits on `llm` as long as the engine keeps the request (queued
+    behind max_num_seqs under a burst, as vLLM does): the silence bound is off. With it on
+    (upstream_timeout_s 60, the old default) the same request fails after 60 s of queueing."""
+    from triton_glue import upstream
+
+    class Clock:  # every reading of the watch's clock is 25 s later: 1 s of waiting, minutes
+        now = 0.0
+
+        @classmethod
+        def monotonic(cls):
+            cls.now += 25.0
+            return cls.now
+
+    monkeypatch.setattr(upstream, "time", types.SimpleNamespace(monotonic=Clock.monotonic, sleep=time.sleep))
+
+    def queued_then_served(inputs):
+        time.sleep(1.2)  # several polls of the watch (0.5 s each) before the first token
+        yield llm_tokens([5])
+        yield llm_tokens([6], "length")
+
+    FakePb.metrics, FakePb.cancels = {}, []
+    for timeout_s, served in ((None, True), (60.0, False)):
+        bound = {} if timeout_s is None else {"upstream_timeout_s": timeout_s}  # None: the default
+        route = BlsRoute(FakePb, llama_like(), make_response=lambda req, chunk: chunk, route_name="vllm_model", **bound)
+        try:
+            sent = run(route, queued_then_served)
+        finally:
+            route.close()
+        if served:
+            assert sent[-1][1] == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and sent[-1][0].finish_reason == "length"
+        else:
+            assert "no response from model 'llm' within 60 s" in only_error(sent)

@@ -50,7 +50,7 @@ def _repo(tmp_path):
     shutil.copytree(ROOT / "model_repository" / "vllm_model", repo / "vllm_model")
     cfg = repo / "vllm_model" / "config.pbtxt"
     text = cfg.read_text()
-    old = 'key: "upstream_timeout_s" value: { string_value: "60" }'
+    old = 'key: "upstream_timeout_s" value: { string_value: "0" }'
     assert old in text
     cfg.write_text(text.replace(old, f'key: "upstream_timeout_s" value: {{ string_value: "{TIMEOUT_S}" }}'))
     (repo / "llm" / "1").mkdir(parents=True)
