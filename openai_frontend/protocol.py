@@ -7,9 +7,9 @@ Fields the engine cannot honour yet are accepted at their neutral value only (se
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import OpenAIError, bad_request
 
@@ -17,8 +17,25 @@ MAX_N = 128
 MAX_STOP = 16
 
 
+def _takes_none(annotation: Any) -> bool:
+    return annotation is Any or annotation is type(None) or type(None) in get_args(annotation)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """null for a field that has no null value of its own (`n`, `stream`, `echo`, ...) means
+        its default, as in OpenAI's API and vLLM: the OpenAI SDK sends null for a parameter
+        passed as None. Fields whose null means something (completions' `max_tokens`: the rest
+        of the context) keep it."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not _takes_none(fields[k].annotation))}
 
 
 class StreamOptions(_Strict):

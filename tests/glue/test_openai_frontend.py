@@ -168,3 +168,22 @@ def test_server_down_is_503(tmp_path):
     finally:
         server.should_exit = True
         t.join(10)
+
+
+def test_null_means_the_default(served):
+    """The OpenAI SDK sends null for a parameter passed as None; OpenAI's API and vLLM take it
+    as the default (n 1, no stream, no echo, no logprobs, vLLM's extras at theirs)."""
+    route, client = served
+    r = client.completions.create(model="vllm_model", prompt="Say", max_tokens=2, n=None, stream=None, echo=None,
+                                  extra_body={"ignore_eos": None, "skip_special_tokens": None,
+                                              "include_stop_str_in_output": None})
+    assert len(r.choices) == 1 and r.choices[0].text == "Hello"
+    assert route.calls[-1][1] == {"max_tokens": 2}
+    r = client.chat.completions.create(model="vllm_model", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       n=None, stream=None, logprobs=None,
+                                       extra_body={"add_generation_prompt": None})
+    assert len(r.choices) == 1 and r.choices[0].message.content == "Hello" and r.choices[0].logprobs is None
+    assert route.calls[-1][0] == "<user>x<assistant>"  # add_generation_prompt at its default, true
+    with pytest.raises(openai.BadRequestError) as e:  # a required field's null is still an error naming it
+        client.chat.completions.create(model="vllm_model", messages=None)
+    assert e.value.param == "messages"
