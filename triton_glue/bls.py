@@ -131,13 +131,17 @@ class _Sender:
 class CallerCancels:
     """Requests that a caller cancelled with a control request naming their Triton request id
     (`cancel_request_id`): the non-decoupled proxy `tensorrt_llm_bls` (triton_glue/sync_proxy.py)
-    has no other way, r24.10's BLS response iterators having no cancel(). Only ids in flight
-    are kept, so a late or unknown id leaves nothing behind."""
+    has no other way, r24.10's BLS response iterators having no cancel(). A cancel also aborts
+    the parts' requests to `llm` at once (`abort_upstream(key)`), so one still queued in the
+    engine leaves it without waiting for a first token. Only ids in flight are kept, so a late
+    or unknown id leaves nothing behind."""
 
-    def __init__(self):
+    def __init__(self, abort_upstream: Callable[[str], None] = lambda key: None):
         self._lock = threading.Lock()
         self._parts: dict[str, int] = {}  # request id -> its parts in flight (batch rows, n)
+        self._keys: dict[str, list[str]] = {}  # request id -> its parts' upstream request ids
         self._cancelled: set[str] = set()
+        self._abort_upstream = abort_upstream
 
     def started(self, request_id: str) -> Callable[[], bool]:
         """A part of request `request_id` starts; gives whether that request was cancelled."""
@@ -152,6 +156,17 @@ class CallerCancels:
                 self._parts[request_id] = left
             else:
                 self._cancelled.discard(request_id)
+                self._keys.pop(request_id, None)
+
+    def upstream(self, request_id: str, key: str) -> None:
+        """A part of `request_id` sends its request to `llm` under `key`."""
+        with self._lock:
+            if request_id not in self._parts:
+                return
+            self._keys.setdefault(request_id, []).append(key)
+            cancelled = request_id in self._cancelled
+        if cancelled:
+            self._abort_upstream(key)
 
     def cancel(self, request_id: str) -> bool:
         """False when no request of that id is in flight."""
@@ -159,7 +174,10 @@ class CallerCancels:
             if request_id not in self._parts:
                 return False
             self._cancelled.add(request_id)
-            return True
+            keys = list(self._keys.get(request_id, ()))
+        for key in keys:
+            self._abort_upstream(key)
+        return True
 
 
 class RequestHooks:
@@ -234,7 +252,7 @@ class BlsRoute:
         self.llm_model = llm_model
         self.pre_model = preprocessing_model
         self.make_response = make_response
-        self.upstream_timeout_s = None if upstream_timeout_s is None else float(upstream_timeout_s)
+        self.upstream_timeout_s = float(upstream_timeout_s) if upstream_timeout_s else None  # 0: off
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="bls")
         self._closing = threading.Event()
         self._inflight_lock = threading.Lock()
@@ -244,7 +262,8 @@ class BlsRoute:
         # waits on llm end with an error if its stub dies (2.51 would leave them waiting forever)
         self.upstream = UpstreamWatch(llm_model, on_death=self._upstream_died, gauge=self._alive_gauge(llm_model))
         self.iterators = HeldIterators()
-        self.caller_cancels = CallerCancels()
+        self.caller_cancels = CallerCancels(
+            lambda key: threading.Thread(target=self._cancel_quietly, args=(key,), daemon=True).start())
 
     def _route_gauge(self, name: str, description: str, value: float) -> Any:
         MF = getattr(self.pb, "MetricFamily", None)
@@ -365,7 +384,7 @@ class BlsRoute:
     def _run_safe(self, sender: "_Sender", req: TextRequest, request_id: str = "") -> None:
         try:
             try:
-                self._run(sender, req)
+                self._run(sender, req, request_id)
             except (InputError, _UpstreamError, UpstreamGone) as e:
                 sender.send_error(self.hooks.error_message(str(e)))
             except Exception as e:  # noqa: BLE001 - never leave a request without FINAL
@@ -453,22 +472,24 @@ class BlsRoute:
         try:
             self._cancel_upstream(None, key)
         except Exception:  # noqa: BLE001 - best effort: the client has its error already
-            log.exception("BLS upstream cancel after a timeout failed")
+            log.exception("BLS upstream cancel failed")
 
-    def _run(self, sender: Any, req: TextRequest) -> None:
+    def _run(self, sender: Any, req: TextRequest, request_id: str = "") -> None:
         hooks = _Once(self.hooks.request(req))
         try:
-            self._stream(sender, req, hooks)
+            self._stream(sender, req, hooks, request_id)
         except BaseException:
             hooks.failed()  # before the client hears of the error: the gauges are back by then
             raise
 
-    def _stream(self, sender: Any, req: TextRequest, hooks: RequestHooks) -> None:
+    def _stream(self, sender: Any, req: TextRequest, hooks: RequestHooks, request_id: str = "") -> None:
         pb = self.pb
         FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         ids, bad, stop_seqs = self._tokenize(req)
         n_gen = 0
         key = f"{CANCEL_PREFIX}{uuid.uuid4().hex}"
+        if request_id:
+            self.caller_cancels.upstream(request_id, key)
         upstream_request = self._llm_request(req, ids, bad, stop_seqs, key)
 
         def responses():  # exec() itself waits for the first response: on the helper thread

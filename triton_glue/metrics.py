@@ -122,7 +122,11 @@ class EngineMetrics:
         self.waiting = metric(fam("waiting", MF.GAUGE, "Requests waiting to be scheduled"))
         self.kv_used = metric(fam("kv_used", MF.GAUGE, "KV-cache blocks in use"))
         self.kv_total = metric(fam("kv_total", MF.GAUGE, "KV-cache blocks in the pool"))
-        self.healthy = metric(fam("healthy", MF.GAUGE, "1 while the engine thread is alive"))
+        # created at the first export, when the engine is up: a series reading 0 means a dead
+        # engine (the launcher's supervisor stops the server on it), never one still starting
+        healthy = fam("healthy", MF.GAUGE, "1 while the engine thread is alive")
+        self._new_healthy = lambda: metric(healthy)
+        self.healthy: Optional[_Locked] = None
         self.async_steps = metric(fam("async", MF.COUNTER, "Engine steps run with the async token handoff engaged"))
         self.sync_steps = metric(fam("sync", MF.COUNTER, "Engine steps run synchronously"))
         self.prefill_steps = metric(fam("prefill_steps", MF.COUNTER, "Of the engine steps, those that carried "
@@ -251,6 +255,8 @@ class EngineMetrics:
         usage = st.kv_blocks_used / st.kv_blocks_total if st.kv_blocks_total else 0.0
         self.vllm_kv_usage_v0.set(usage)
         self.vllm_kv_usage.set(usage)
+        if self.healthy is None:
+            self.healthy = self._new_healthy()
         self.healthy.set(1 if healthy else 0)
         for key, total, m in (("async", st.async_steps_total, self.async_steps),
                               ("sync", st.sync_steps_total, self.sync_steps),

@@ -268,17 +268,22 @@ def test_caller_cancels_keep_only_requests_in_flight():
     """A control request cancels every part of a request in flight under its id, and nothing
     else; once the request's parts have ended, its id leaves no trace (a late cancel is a no-op)."""
     from triton_glue.bls import CallerCancels
-    cc = CallerCancels()
+    aborted = []
+    cc = CallerCancels(aborted.append)
     row0, row1, other = cc.started("bls-a"), cc.started("bls-a"), cc.started("bls-b")
+    cc.upstream("bls-a", "k0"), cc.upstream("bls-b", "kb")
     assert not cc.cancel("bls-unknown")
     assert cc.cancel("bls-a")
     assert (row0(), row1(), other()) == (True, True, False)
+    assert aborted == ["k0"]  # at once: a request queued in the engine sends no token to notice
+    cc.upstream("bls-a", "k1")  # a part that reaches llm after the cancel is aborted as it goes
+    assert aborted == ["k0", "k1"]
     cc.ended("bls-a")
     assert row1()  # one part still runs
     cc.ended("bls-a")
     assert not cc.cancel("bls-a") and not cc.started("bls-a")()  # the id reused later starts clean
     cc.ended("bls-a"), cc.ended("bls-b")
-    assert cc._parts == {} and cc._cancelled == set()
+    assert cc._parts == {} and cc._cancelled == set() and cc._keys == {}
 
 
 def test_a_request_queued_for_minutes_is_served_by_default(monkeypatch):

@@ -7,7 +7,7 @@ import types
 from triton_glue.metrics import EngineMetrics
 
 
-def _recording_pb_utils(calls: list):
+def _recording_pb_utils(calls: list, created: list | None = None):
     class _Metric:
         def __init__(self, name, labels):
             self.key = (name, labels.get("reason"))
@@ -28,6 +28,8 @@ def _recording_pb_utils(calls: list):
             self.name = name
 
         def Metric(self, labels, buckets=None):
+            if created is not None:
+                created.append(self.name)
             return _Metric(self.name, labels)
 
     return types.SimpleNamespace(MetricFamily=MetricFamily)
@@ -151,3 +153,28 @@ def test_stale_engine_stats_hold_the_finished_counts_back_until_fresh_ones():
     eng.healthy = False  # gone: its last stats are all there will be
     m.export(eng, lambda: (0, 0.0))
     assert finished_sent() == ([("stop", 1)], 1, [])
+
+
+def test_the_engine_health_series_appears_with_the_first_export():
+    """llm_engine_healthy 0 means a dead engine (the supervisor stops the server on it): no
+    series exists while the model is still starting its engine, only from the first export."""
+    from backend_lib.engine_stats import EngineStats
+    calls, created = [], []
+    m = EngineMetrics(_recording_pb_utils(calls, created), {"model": "llm", "version": "1"})
+    assert "llm_engine_healthy" not in created and "llm_kv_blocks_total" in created
+
+    class Engine:
+        healthy = True
+
+        def stats(self):
+            return EngineStats()
+
+        def is_healthy(self):
+            return self.healthy
+
+    eng = Engine()
+    m.export(eng, lambda: (0, 0.0))
+    eng.healthy = False
+    m.export(eng, lambda: (0, 0.0))
+    assert created.count("llm_engine_healthy") == 1
+    assert [v for op, key, v in calls if op == "set" and key[0] == "llm_engine_healthy"] == [1, 0]

@@ -14,7 +14,7 @@ from backend_lib import SamplingParams
 from triton_glue.detokenizer import full_text
 from triton_glue.trtllm import parse_word_list
 
-from .conftest import BOTH_ENGINES
+from .conftest import BOTH_ENGINES, start_server
 from .util import StreamClient, grpc_stream_one, wait_for
 
 PROMPT = "The quick brown fox"
@@ -275,3 +275,27 @@ def test_non_decoupled_proxy_grpc_deadline_aborts_the_request_in_the_engine(serv
         server.log_tail()
     assert wait_for(server.idle, 5)
     assert wait_for(lambda: server.metric("bls_inflight_requests") == 0, 5)
+
+
+def test_tensorrt_llm_bls_deadline_frees_a_request_still_queued_in_the_engine(tmp_path):
+    """max_num_seqs 1, one long stream running: a tensorrt_llm_bls request waits in the
+    engine's queue. Its gRPC deadline passes: llm_bls aborts its request to `llm` at once,
+    not at a first token it would only get once the stream ahead of it ends."""
+    srv = start_server(tmp_path, extra_env={"LLM_PARAM_max_num_seqs": "1"})
+    sc = StreamClient(srv.grpc_url)
+    try:
+        ahead = sc.send("llm", {"input_ids": np.array([[1, 300, 301]], np.int32), "request_output_len": one(1900, np.int32),
+                                "streaming": one(True, bool), "ignore_eos": one(True, bool)}, "ahead")
+        assert wait_for(lambda: len(ahead.responses) >= 2, 60, 0.02), ahead.errors
+        aborted0 = srv.metric("llm_requests_finished_total", reason="abort")
+        with pytest.raises(InferenceServerException, match="(?i)deadline"):
+            grpcclient.InferenceServerClient(srv.grpc_url).infer("tensorrt_llm_bls", [
+                tensor(grpcclient, "text_input", np.array([[PROMPT]], object)),
+                tensor(grpcclient, "max_tokens", one(8, np.int32))], client_timeout=2.0)
+        assert wait_for(lambda: srv.metric("llm_requests_finished_total", reason="abort") == aborted0 + 1, 5), \
+            srv.log_tail()
+        assert srv.metric("llm_num_requests_waiting") == 0 and not ahead.done.is_set()
+        assert wait_for(lambda: srv.metric("bls_inflight_requests") == 0, 5)
+    finally:
+        sc.close()
+        srv.stop()

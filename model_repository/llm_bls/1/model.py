@@ -52,8 +52,8 @@ class TritonPythonModel:
         for request in requests:
             control = pb_utils.get_input_tensor_by_name(request, "cancel_request_id")
             if control is not None:  # abort the in-flight request of that id (tensorrt_llm_bls's cancel)
-                raw = np.asarray(control.as_numpy()).reshape(-1)[0]
-                self.route.caller_cancels.cancel(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw))
+                for raw in np.asarray(control.as_numpy()).reshape(-1)[:1]:  # an empty one names nothing
+                    self.route.caller_cancels.cancel(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw))
                 request.get_response_sender().send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             try:
