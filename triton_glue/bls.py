@@ -324,7 +324,6 @@ class BlsRoute:
             raise ValueError(f"parameter 'upstream_timeout_s' must be a number of seconds, not {timeout!r}") from None
         if timeout_s is not None and not timeout_s >= 0:
             raise ValueError(f"parameter 'upstream_timeout_s' must be >= 0 (0: off; got {timeout!r})")
-        timeout_s = timeout_s or None
         return cls(pb_utils, tok, llm_model=params.get("llm_model", "llm"),
                    preprocessing_model=(params.get("preprocessing_model", "preprocessing") or None)
                    if preprocessing else None,
