@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from sender_fakes import RecordingSender  # noqa: E402
 from tokenizers_for_tests import llama_like  # noqa: E402
 
 from triton_glue.bls import BlsRoute, RequestHooks, RouteHooks  # noqa: E402
@@ -119,20 +120,9 @@ def llm_in_band_error(message):
                       _Tensor("error_message", np.array([[message.encode()]], dtype=object))])
 
 
-class _Sender:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, response=None, flags=0):
-        self.sent.append((response, flags))
-
-    def is_cancelled(self):
-        return False
-
-
 class _Request:
     def __init__(self):
-        self.sender = _Sender()
+        self.sender = RecordingSender()
 
     def request_id(self):
         return "client-1"

@@ -1,6 +1,8 @@
 """The glue of the sampler features: logprob tensors between the engine, `llm` and the text
 routes (vllm_backend's `logprobs` JSON), and n > 1 on the text routes (fan-out, joining)."""
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +11,9 @@ from triton_glue.inputs import SamplingFields, TextRequest
 from triton_glue.logprob_tensors import (RANK_WINDOW, Logprobs, sampled_logprobs, top_logprobs, vllm_logprobs_json)
 from triton_glue.sequences import SequenceJoiner, fan_out
 from triton_glue.bls import Chunk
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sender_fakes import RecordingSender  # noqa: E402
 
 
 def engine_dict(sampled, lp, top):
@@ -68,24 +73,13 @@ class _Pb:
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 
 
-class _Sender:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, response=None, flags=0):
-        self.sent.append((response, flags))
-
-    def is_cancelled(self):
-        return False
-
-
 def _chunk(text, final, reason=None):
     return Chunk(text, len(text), reason, 2, final)
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_joiner_puts_n_sequences_in_every_response(stream):
-    sender = _Sender()
+    sender = RecordingSender()
     j = SequenceJoiner(_Pb, sender, 2, stream, lambda chunks, fins: ([c.text if c else "" for c in chunks], fins))
     a, b = j.sequence(), j.sequence()
     a.send((0, _chunk("x", False)))
@@ -101,7 +95,7 @@ def test_joiner_puts_n_sequences_in_every_response(stream):
 
 
 def test_joiner_ends_on_the_first_error():
-    sender = _Sender()
+    sender = RecordingSender()
     j = SequenceJoiner(_Pb, sender, 3, True, lambda chunks, fins: "resp")
     s = [j.sequence() for _ in range(3)]
     s[1].send("error response", flags=1)
