@@ -101,6 +101,13 @@ class EngineConfig:
         from .graph_buckets import parse_token_buckets
         parse_token_buckets(self.cuda_graph_mixed_tokens, self.max_num_batched_tokens)  # raises, naming the field
 
+    def context_window(self) -> int:
+        """max_model_len, 0 resolved to the checkpoint's max_position_embeddings: the engine's
+        limit on prompt + output tokens (the OpenAI frontend checks requests against it too)."""
+        from .models.hf_config import load_hf_config
+
+        return self.max_model_len or load_hf_config(self.model_path).max_position_embeddings
+
     # ---- Triton parameters ------------------------------------------------------------
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":

@@ -36,6 +36,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help=f"model id(s) clients use (default {cfg.served_model_names})")
     ap.add_argument("--tokenizer", default=cfg.tokenizer_path, help="tokenizer folder (chat template)")
     ap.add_argument("--default-max-tokens", type=int, default=cfg.default_max_tokens)
+    ap.add_argument("--max-model-len", type=int, default=cfg.max_model_len,
+                    help="context window requests are checked against (0: the llm model's)")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--exit-with-parent", action="store_true",
                     help="exit when the parent process does (scripts/serve.sh: the tritonserver)")
@@ -48,6 +50,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg.triton_model = args.triton_model
     cfg.served_model_names = args.served_model_name or cfg.served_model_names
     cfg.tokenizer_path, cfg.default_max_tokens = args.tokenizer, args.default_max_tokens
+    cfg.max_model_len = args.max_model_len
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from . import chat as chat_mod
 from .choices import Choice, ChoiceResult, Usage, merged
 from .config import FrontendConfig
+from .context_window import ContextWindow
 from .errors import OpenAIError, model_not_found
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
 from .logprobs import chat_logprobs, completion_logprobs
@@ -46,6 +47,7 @@ class Frontend:
         self.config = config
         self.tokenizer = tokenizer
         self.route = route or TritonRoute(config.grpc_url, config.triton_model)
+        self.window = ContextWindow(self.route, tokenizer, config.max_model_len)
         self.created = int(time.time())
 
     # ---- shared -----------------------------------------------------------------------------
@@ -123,6 +125,7 @@ class Frontend:
         self.check_model(req.model)
         check_supported(req)
         prompts = req.prompts()
+        await self.window.check(prompts, req.max_tokens, "max_tokens")
         choices = self.choices_of(req, prompts)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -179,6 +182,10 @@ class Frontend:
         self.check_model(req.model)
         check_supported(req)
         prompt = chat_mod.render(self.tokenizer, req)
+        if req.max_completion_tokens is not None:
+            await self.window.check([prompt], req.max_completion_tokens, "max_completion_tokens")
+        else:
+            await self.window.check([prompt], req.max_tokens, "max_tokens")
         choices = self.choices_of(req, [prompt])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -231,11 +238,13 @@ class Frontend:
         return await self._stream(http, choices, "messages", chunks)
 
     # ---- /v1/models ------------------------------------------------------------------------
-    def model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "triton"}
+    async def model_card(self, name: str) -> dict:
+        # vLLM's card carries the context window too
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "triton",
+                "max_model_len": await self.window.size()}
 
-    def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card(n) for n in self.config.served_model_names]}
+    async def models(self) -> dict:
+        return {"object": "list", "data": [await self.model_card(n) for n in self.config.served_model_names]}
 
 
 async def _piece_lines(first: tuple, it: AsyncIterator, lines: Callable) -> AsyncIterator[str]:
@@ -277,12 +286,12 @@ def create_app(config: FrontendConfig, tokenizer: Any, route: Optional[TritonRou
 
     @app.get("/v1/models")
     async def list_models():
-        return fe.models()
+        return await fe.models()
 
     @app.get("/v1/models/{model}")
     async def get_model(model: str):
         fe.check_model(model)
-        return fe.model_card(model)
+        return await fe.model_card(model)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

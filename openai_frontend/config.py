@@ -8,6 +8,8 @@
     OPENAI_MODEL_NAME           the model id clients send and /v1/models lists (default: the route)
     OPENAI_DEFAULT_MAX_TOKENS   max_tokens when a request gives none (default 16, OpenAI's for
                                 completions; chat uses it too, as Triton's frontend does)
+    OPENAI_MAX_MODEL_LEN        the context window requests are checked against (default 0: the
+                                `llm` model's, read from tritonserver; context_window.py)
     OPENAI_PARENT_PID           with --exit-with-parent: the process it must outlive no longer than
                                 (scripts/serve.sh sets it)
     TOKENIZER_PATH, MODEL_PATH  the tokenizer whose chat template renders chat prompts (the
@@ -30,6 +32,7 @@ class FrontendConfig:
     triton_model: str = "vllm_model"
     served_model_names: list[str] = field(default_factory=lambda: ["vllm_model"])
     default_max_tokens: int = 16
+    max_model_len: int = 0
     tokenizer_path: str = ""
     parent_pid: Optional[int] = None
 
@@ -47,6 +50,7 @@ class FrontendConfig:
             triton_model=triton_model,
             served_model_names=names or [triton_model],
             default_max_tokens=int(env.get("OPENAI_DEFAULT_MAX_TOKENS", "").strip() or 16),
+            max_model_len=int(env.get("OPENAI_MAX_MODEL_LEN", "").strip() or 0),
             tokenizer_path=tokenizer_path_from_env("models/tiny-llama"),
             parent_pid=int(env["OPENAI_PARENT_PID"]) if env.get("OPENAI_PARENT_PID", "").strip() else None,
         )

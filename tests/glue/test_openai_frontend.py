@@ -4,6 +4,7 @@ OpenAI formats from vllm_backend's `logprobs` JSON, the sampling parameters forw
 route's errors as 400s naming the field)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -56,22 +57,30 @@ class TemplateTokenizer:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
 
 
-@pytest.fixture(scope="module")
-def served():
-    route = ScriptedRoute()
+@contextlib.contextmanager
+def frontend_serving(route, tokenizer, **config):
+    """The real app on a free port in a thread, and an `openai` client of it."""
     port = free_port()
-    cfg = FrontendConfig(host="127.0.0.1", port=port)
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg, TemplateTokenizer(), route), host="127.0.0.1",
+    cfg = FrontendConfig(host="127.0.0.1", port=port, **config)
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg, tokenizer, route), host="127.0.0.1",
                                            port=port, log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
-    yield route, client
-    server.should_exit = True
-    t.join(10)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+    finally:
+        server.should_exit = True
+        t.join(10)
+
+
+@pytest.fixture(scope="module")
+def served():
+    route = ScriptedRoute()
+    with frontend_serving(route, TemplateTokenizer()) as client:
+        yield route, client
 
 
 def test_completion_logprobs(served):
@@ -187,3 +196,74 @@ def test_null_means_the_default(served):
     with pytest.raises(openai.BadRequestError) as e:  # a required field's null is still an error naming it
         client.chat.completions.create(model="vllm_model", messages=None)
     assert e.value.param == "messages"
+
+
+class CharTokenizer(TemplateTokenizer):
+    """A token per character, after a BOS."""
+    def encode(self, text, add_special_tokens=True):
+        return [1] * add_special_tokens + [ord(c) for c in text]
+
+
+def test_prompt_plus_max_tokens_past_the_window_is_vllms_400():
+    """vLLM's OpenAI server refuses a request whose prompt and max_tokens pass max_model_len
+    (its engine would end it at the window, as the route does); one that fits goes through."""
+    route = ScriptedRoute()
+    with frontend_serving(route, CharTokenizer(), max_model_len=64) as client:
+        # "<user>" + 40 + "<assistant>" = 57 chars + BOS = 58 tokens
+        msgs = [{"role": "user", "content": "a" * 40}]
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model="vllm_model", prompt="a" * 40, max_tokens=24, stream=stream)
+            assert e.value.param == "max_tokens"
+            assert e.value.body["message"] == (
+                "'max_tokens' or 'max_completion_tokens' is too large: 24. This model's maximum context "
+                "length is 64 tokens and your request has 41 input tokens (24 > 64 - 41).")
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="vllm_model", messages=msgs, max_completion_tokens=7,
+                                               stream=stream)
+            assert e.value.param == "max_completion_tokens" and "(7 > 64 - 58)" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:  # one prompt of a list is enough
+            client.completions.create(model="vllm_model", prompt=["a", "a" * 60], max_tokens=4)
+        assert "has 61 input tokens (4 > 64 - 61)" in e.value.body["message"]
+        assert route.calls == []  # nothing refused reached the route
+        assert client.completions.create(model="vllm_model", prompt="a" * 40, max_tokens=23).choices[0].text
+        assert client.chat.completions.create(model="vllm_model", messages=msgs, max_tokens=6).choices
+        # chat without max_tokens: the route ends it at the window (vLLM gives the rest of it)
+        assert client.chat.completions.create(model="vllm_model", messages=msgs).choices
+        assert [c[1]["max_tokens"] for c in route.calls] == [23, 6, 16]
+        # a prompt that alone fills the window is the route's to refuse (its error names the prompt)
+        client.completions.create(model="vllm_model", prompt="a" * 70, max_tokens=1)
+        assert route.calls[-1][0] == "a" * 70
+        assert client.models.list().data[0].max_model_len == 64
+
+
+class _ConfigClient:
+    def __init__(self, configs):
+        self.configs = configs
+
+    async def get_model_config(self, name, as_json=False):
+        return {"config": {"name": name, "parameters": {k: {"string_value": v}
+                                                        for k, v in self.configs[name].items()}}}
+
+
+@pytest.mark.parametrize("llm_params,env,window", [
+    ({"model_path": "models/tiny-llama", "max_model_len": "0"}, {}, 2048),   # config.json's
+    ({"model_path": "models/tiny-llama", "max_model_len": "512"}, {}, 512),
+    ({"model_path": "models/tiny-llama", "max_model_len": "512"}, {"LLM_PARAM_MAX_MODEL_LEN": "300"}, 300),
+])
+def test_the_window_is_the_llm_models(monkeypatch, llm_params, env, window):
+    """The window the engine resolves: the route's llm model's max_model_len (its LLM_PARAM_
+    override included), 0 meaning the checkpoint's max_position_embeddings."""
+    import asyncio
+    import types
+
+    from openai_frontend.context_window import ContextWindow
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    route = types.SimpleNamespace(model="vllm_model", client=_ConfigClient(
+        {"vllm_model": {"llm_model": "llm2"}, "llm2": llm_params}))
+    assert asyncio.run(ContextWindow(route, CharTokenizer()).size()) == window
+    # a route with no llm model behind it has no window to check against
+    route.client.configs["vllm_model"] = {}
+    assert asyncio.run(ContextWindow(route, CharTokenizer()).size()) is None

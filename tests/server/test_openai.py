@@ -388,6 +388,25 @@ def test_bad_input_through_openai_package(client):
     assert e.value.param == "model" and e.value.code == "model_not_found"
 
 
+def test_prompt_plus_max_tokens_past_the_window_is_400(frontend, client, tokenizer):
+    """vLLM's OpenAI server's 400 for a prompt + max_tokens past max_model_len, the window read
+    from tritonserver (the llm model's max_model_len 0: tiny-llama's 2048)."""
+    assert [m.max_model_len for m in client.models.list().data] == [2048]
+    prompt = "x " * 1000
+    n = len(tokenizer.encode(prompt))
+    assert n == 2000
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=49, stream=stream)
+        assert e.value.param == "max_tokens"
+        assert e.value.body["message"] == (
+            "'max_tokens' or 'max_completion_tokens' is too large: 49. This model's maximum context "
+            "length is 2048 tokens and your request has 2000 input tokens (49 > 2048 - 2000).")
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == 2000 and r.usage.completion_tokens == 48
+    assert r.choices[0].finish_reason == "length"
+
+
 SAMPLER_PROMPT = "The capital of France is"
 SAMPLER_TOKENS = 12
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.3}
