@@ -21,7 +21,10 @@ HTTP front flags no cancellation: an HTTP client's disconnect goes unseen): with
 `llm_bls` do) the proxy polls the request's cancellation while it waits, sends that control
 request for the upstream request's id, and answers CANCELLED at once, so the engine frees the
 request's slot and KV blocks instead of generating for nobody. Without it the upstream runs to
-its end (r24.10's response iterators have no cancel()). pb_utils is passed in.
+its end (r24.10's response iterators have no cancel()). A TensorRT-LLM stop request (`stop`
+true, under the request id of a request in flight) aborts that request's upstream the same way;
+the stopped request answers with what it generated so far and the stop request with an empty
+response, as TensorRT-LLM's backend does. pb_utils is passed in.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import numpy as np
 from .bls import CANCEL_PREFIX, ERROR_OUTPUT
 from .config import parameters_of
 from .inputs import get_bool
+from .trtllm import STOP_WITHOUT_ID
 from .upstream import HeldIterators, cancel_upstream_request
 
 log = logging.getLogger("triton_glue.sync_proxy")
@@ -92,6 +96,8 @@ class SyncProxy:
         self.cancel_poll_s = cancel_poll_s
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"sync-{target}")
         self.iterators = HeldIterators()
+        self._lock = threading.Lock()
+        self._upstream_keys: dict[str, str] = {}   # client request id -> its upstream request's id
 
     def execute(self, requests: Any) -> None:
         pb = self.pb
@@ -103,6 +109,9 @@ class SyncProxy:
                 streaming = any(get_bool(arrays, n, False) for n in ("streaming", "stream") if n in arrays)
             except ValueError as e:
                 streaming, err = None, str(e)
+            if streaming is not None and "stop" in arrays and get_bool(arrays, "stop", False):
+                self.pool.submit(self._stop, sender, request.request_id() or "")
+                continue
             if streaming is None or streaming:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(err if streaming is None else STREAMING_ERROR)),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -111,8 +120,31 @@ class SyncProxy:
             key = f"{CANCEL_PREFIX}{uuid.uuid4().hex}"
             upstream = pb.InferenceRequest(model_name=self.target, inputs=list(request.inputs()), request_id=key,
                                            requested_output_names=wanted + [ERROR_OUTPUT] if wanted else [])
-            self.pool.submit(self._run_safe, sender, upstream, key, ERROR_OUTPUT in wanted)
+            client_id = request.request_id() or ""
+            with self._lock:
+                if client_id and client_id not in self._upstream_keys:
+                    self._upstream_keys[client_id] = key
+                else:
+                    client_id = ""  # a second request under one id cannot be stopped by it
+            self.pool.submit(self._run_safe, sender, upstream, key, ERROR_OUTPUT in wanted, client_id)
         return None
+
+    def _stop(self, sender: Any, client_id: str) -> None:
+        pb = self.pb
+        response = pb.InferenceResponse(output_tensors=[])
+        try:
+            if not client_id:
+                raise ValueError(STOP_WITHOUT_ID)
+            with self._lock:
+                key = self._upstream_keys.get(client_id)
+            if key is not None:  # else it already ended: nothing to stop
+                cancel_upstream_request(pb, self.target, key, self.iterators)
+        except ValueError as e:
+            response = pb.InferenceResponse(error=pb.TritonError(str(e)))
+        except Exception as e:  # noqa: BLE001 - the stop request must get its one response
+            log.exception("sync proxy stop failed")
+            response = pb.InferenceResponse(error=pb.TritonError(f"internal error: {e!r}"))
+        sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _pump(self, upstream: Any, q: "queue.SimpleQueue") -> None:
         responses = None
@@ -146,7 +178,15 @@ class SyncProxy:
                 return
             yield item
 
-    def _run_safe(self, sender: Any, upstream: Any, key: str, keep_error_output: bool) -> None:
+    def _run_safe(self, sender: Any, upstream: Any, key: str, keep_error_output: bool, client_id: str = "") -> None:
+        try:
+            self._run(sender, upstream, key, keep_error_output)
+        finally:
+            if client_id:
+                with self._lock:
+                    self._upstream_keys.pop(client_id, None)
+
+    def _run(self, sender: Any, upstream: Any, key: str, keep_error_output: bool) -> None:
         pb = self.pb
         try:
             rows, error = [], None

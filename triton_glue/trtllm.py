@@ -81,6 +81,8 @@ NEUTRAL_VALUES = {"beam_width": 1, "len_penalty": 1.0, "length_penalty": 1.0, "r
 # top-p decay, draft tokens) or name the pad token / decoder side of a decoder-only model.
 IGNORED = ("early_stopping", "runtime_top_p_min", "runtime_top_p_reset_ids", "draft_acceptance_threshold",
            "pad_id", "decoder_input_lengths", "input_lengths", "stop")
+# A stop request (stop=true) names its target by request id; TensorRT-LLM's words for one without
+STOP_WITHOUT_ID = "Trying to stop a request but request ID is not provided"
 # decoder_input_ids: TensorRT-LLM's preprocessing sends [[pad_id]] for decoder-only models.
 DECODER_INPUT_MAX = 1
 

@@ -2,6 +2,7 @@
 (inflight_batcher_llm/client, tools/inflight_batcher_llm), compared with the in-process engine."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from backend_lib import SamplingParams
 from triton_glue.detokenizer import full_text
-from triton_glue.trtllm import parse_word_list
+from triton_glue.trtllm import STOP_WITHOUT_ID, parse_word_list
 
 from .conftest import BOTH_ENGINES, start_server
 from .util import StreamClient, grpc_stream_one, wait_for
@@ -215,16 +216,73 @@ def test_tensorrt_llm_stop_request_ends_the_stream_with_that_id(server):
         # TensorRT-LLM's stop signal: a request with the SAME request id and stop=true
         ctl = StreamClient(server.grpc_url)
         try:
-            stop = ctl.send("llm", {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": one(0, np.int32),
-                                    "request_output_len": one(0, np.int32), "stop": one(True, bool)}, "stop-me")
+            stop = ctl.send("llm", STOP_BODY, "stop-me")
             assert c.done.wait(60)
             assert stop.done.wait(10) and not stop.errors and stop.finals == 1, stop.errors
         finally:
             ctl.close()
         n = sum(r.as_numpy("output_ids").shape[2] for r in c.responses if r.as_numpy("output_ids") is not None)
         assert 1 <= n < 1500 and c.finals == 1 and not c.errors, c.errors
+        # TensorRT-LLM's client asks for no empty finals and still reads the stop's reply
+        # ("Got cancellation response from server"); without an id the stop is an error
+        assert stop_replies(server.grpc_url, "stop-me") == [None]
+        assert stop_replies(server.grpc_url, "") == [STOP_WITHOUT_ID]
     finally:
         sc.close()
+
+
+STOP_BODY = {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": one(0, np.int32),
+             "request_output_len": one(0, np.int32), "stop": one(True, bool)}
+
+
+def stop_replies(url, request_id, model="llm"):
+    """What a stop request under request_id gets over a stream that asks for no empty finals:
+    one entry per response, None for a success, else the error text."""
+    got, done = [], threading.Event()
+
+    def cb(result, error):
+        got.append(None if error is None else str(error.message() if hasattr(error, "message") else error))
+        done.set()
+
+    cl = grpcclient.InferenceServerClient(url)
+    cl.start_stream(callback=cb)
+    try:
+        cl.async_stream_infer(model, [tensor(grpcclient, k, v) for k, v in STOP_BODY.items()], request_id=request_id)
+        done.wait(20)
+        time.sleep(0.3)  # nothing else may follow
+    finally:
+        cl.stop_stream()
+    return got
+
+
+def test_tensorrt_llm_non_decoupled_stop_returns_the_partial_output(server):
+    """TensorRT-LLM's non-decoupled stop (inflight_batcher_llm_client.py --stop-after-ms without
+    --streaming, README's --request-id 1): the stop request gets an empty success, the stopped
+    request the tokens generated so far; a stop without an id is TensorRT-LLM's error."""
+    cl = grpcclient.InferenceServerClient(server.grpc_url)
+    result = {}
+
+    def run():
+        result["r"] = cl.infer("tensorrt_llm", [
+            tensor(grpcclient, "input_ids", np.array([[1, 300, 301]], np.int32)),
+            tensor(grpcclient, "request_output_len", one(1500, np.int32)),
+            tensor(grpcclient, "ignore_eos", one(True, bool))], request_id="1", client_timeout=120)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert wait_for(lambda: server.metric("llm_num_requests_running") == 1, 30)
+        time.sleep(0.3)
+        reply = grpcclient.InferenceServerClient(server.grpc_url).infer(
+            "tensorrt_llm", [tensor(grpcclient, k, v) for k, v in STOP_BODY.items()], request_id="1")
+        assert reply.get_response().outputs == []
+    finally:
+        t.join(120)
+    ids = result["r"].as_numpy("output_ids")
+    assert ids.shape[:2] == (1, 1) and 1 <= int(result["r"].as_numpy("sequence_length")[0, 0]) < 1500
+    with pytest.raises(InferenceServerException, match=STOP_WITHOUT_ID):
+        cl.infer("tensorrt_llm", [tensor(grpcclient, k, v) for k, v in STOP_BODY.items()])
+    assert wait_for(server.idle, 10)
 
 
 @pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_bls"])

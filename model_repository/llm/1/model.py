@@ -39,7 +39,7 @@ from triton_glue.bls import CANCEL_PREFIX  # noqa: E402
 from triton_glue.detokenizer import PREFIX_WINDOW  # noqa: E402
 from triton_glue.inputs import InputError, get_bool, reject_unknown_parameters  # noqa: E402
 from triton_glue.logprob_tensors import sampled_logprobs, top_logprobs  # noqa: E402
-from triton_glue.trtllm import parse_token_requests  # noqa: E402
+from triton_glue.trtllm import STOP_WITHOUT_ID, parse_token_requests  # noqa: E402
 from triton_glue.metrics import EngineMetrics  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -274,9 +274,13 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
                 return
             if "stop" in arrays and get_bool(arrays, "stop", False):
-                # TensorRT-LLM's stop request: end the in-flight request with this request id
+                # TensorRT-LLM's stop request: end the in-flight request with this request id;
+                # answered, as its backend does, with an empty response (a client that asked for
+                # no empty finals still gets it), an id already finished included
+                if not tid:
+                    raise ValueError(STOP_WITHOUT_ID)
                 self._cancel_key(tid, stopped=True)
-                sender.send(flags=FINAL)
+                sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
                 return
             reject_unknown_parameters(request.parameters())
             rows = parse_token_requests(arrays)
