@@ -55,13 +55,16 @@ class Frontend:
         if model not in self.config.served_model_names:
             raise model_not_found(model, self.config.served_model_names)
 
-    def choices_of(self, req: Union[CompletionRequest, ChatCompletionRequest],
-                   prompts: list[str]) -> list[Choice]:
+    def choices_of(self, req: Union[CompletionRequest, ChatCompletionRequest], prompts: list[str],
+                   max_tokens: Optional[list[Optional[int]]] = None) -> list[Choice]:
+        """n choices per prompt; `max_tokens[p]`, where given, is prompt p's budget."""
         out = []
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
-                out.append(Choice(len(out), p, prompt,
-                                  sampling_parameters(req, self.config.default_max_tokens, j)))
+                sp = sampling_parameters(req, self.config.default_max_tokens, j)
+                if max_tokens and max_tokens[p] is not None:
+                    sp["max_tokens"] = max_tokens[p]
+                out.append(Choice(len(out), p, prompt, sp))
         return out
 
     async def _collect(self, http: Request, choices: list[Choice], prompt_param: str
@@ -126,7 +129,8 @@ class Frontend:
         check_supported(req)
         prompts = req.prompts()
         await self.window.check(prompts, req.max_tokens, "max_tokens")
-        choices = self.choices_of(req, prompts)
+        # null max_tokens: the rest of the window, as in vLLM
+        choices = self.choices_of(req, prompts, await self.window.rest(prompts) if req.max_tokens is None else None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def envelope(chs: list, usage: Optional[dict] = None, with_usage: bool = True) -> dict:

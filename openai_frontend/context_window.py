@@ -74,3 +74,15 @@ class ContextWindow:
                     400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
                          f"model's maximum context length is {window} tokens and your request has {n} "
                          f"input tokens ({max_tokens} > {window} - {n}).", param=param)
+
+    async def rest(self, prompts: list[str]) -> list[Optional[int]]:
+        """For each prompt, the tokens the window leaves after it (vLLM's max_tokens for a
+        completions request that sends null); None where unknown or nothing is left."""
+        window = await self.size()
+        if window is None:
+            return [None] * len(prompts)
+        out: list[Optional[int]] = []
+        for prompt in prompts:
+            n = len(await anyio.to_thread.run_sync(self.tokenizer.encode, prompt))
+            out.append(window - n if n < window else None)
+        return out

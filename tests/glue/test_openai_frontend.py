@@ -235,6 +235,9 @@ def test_prompt_plus_max_tokens_past_the_window_is_vllms_400():
         client.completions.create(model="vllm_model", prompt="a" * 70, max_tokens=1)
         assert route.calls[-1][0] == "a" * 70
         assert client.models.list().data[0].max_model_len == 64
+        # max_tokens null on completions: the rest of the window, per prompt (vLLM's)
+        client.completions.create(model="vllm_model", prompt=["a" * 10, "a" * 50], max_tokens=None)
+        assert [c[1]["max_tokens"] for c in route.calls[-2:]] == [64 - 11, 64 - 51]
 
 
 class _ConfigClient:
