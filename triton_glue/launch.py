@@ -321,8 +321,19 @@ def serve(inst: TritonInstall, backend_dir: Path, opts: ServerOptions, env: dict
                      on_stub_death=front.fail_inflight if front is not None else None,
                      server_state=(lambda: _http_state(http_host, opts.http_port)) if http_on else (lambda: "unknown"),
                      bls_inflight=lambda: _gauge_sum(metrics_host, opts.metrics_port, "bls_inflight_requests"),
-                     engines_healthy=lambda: _gauge_values(metrics_host, opts.metrics_port, "llm_engine_healthy"))
+                     engines_healthy=lambda: _gauge_values(metrics_host, opts.metrics_port, "llm_engine_healthy"),
+                     only_stub_models=only_stub_models(opts.model_repository))
     return sup.run()
+
+
+def only_stub_models(model_repository: Path) -> bool:
+    """Every model of the repository is a Python-backend model or an ensemble (by its
+    config.pbtxt): once its Python stubs have exited, only ensembles are left to unload."""
+    import re
+
+    configs = list(Path(model_repository).glob("*/config.pbtxt"))
+    python_or_ensemble = re.compile(r'^\s*(backend\s*:\s*"python"|platform\s*:\s*"ensemble")', re.M)
+    return bool(configs) and all(python_or_ensemble.search(c.read_text(errors="replace")) for c in configs)
 
 
 def _http_state(host: str, port: int) -> str:

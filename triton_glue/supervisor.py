@@ -29,6 +29,13 @@ So the supervisor
     2.51's Python backend can hang a model load for good (its stub launcher, having judged a
     stub unhealthy while its model initialised on a loaded machine, waits for that stub to
     exit, and the stub, initialised, waits for work: seen once, in a test run beside others);
+  - ends a shutdown once every model has unloaded: when the repository holds only Python
+    models and ensembles (`only_stub_models`), every instance stub gone means nothing but the
+    ensembles is left, and 2.51's gRPC frontend can keep an ensemble from ever unloading (a
+    client that cancels its stream as the FINAL response is written, or after a request was
+    refused, leaves a request state that is never freed and holds the ensemble's request);
+    tritonserver would then wait out its exit timeout and exit with an error, so it is
+    stopped `unloaded_grace_s` after the last stub left, and the shutdown counts as clean;
   - after tritonserver exits, kills what is left of its group, reaps the orphans and removes
     the /dev/shm regions of every stub it saw (the region name is the stub's 2nd argument).
 """
@@ -182,6 +189,10 @@ class Supervisor:
     server_state: Callable[[], str] = lambda: "unknown"
     _was_ready: bool = False
     _serving: Optional[set] = None   # pids of the instance stubs, taken when the server got ready
+    # every model is a Python one or an ensemble: no stub left means every model unloaded
+    # but the ensembles (see the module docstring)
+    only_stub_models: bool = False
+    unloaded_grace_s: float = 1.0
     stack_bytes: int = 256 << 20
     stubs: dict[int, StubInfo] = field(default_factory=dict)
     child: Optional[subprocess.Popen] = None
@@ -195,6 +206,8 @@ class Supervisor:
     _never_ready: bool = False
     _death_at: Optional[float] = None    # when a stub death was seen: a stop is due
     _drained_at: Optional[float] = None  # when the BLS routes were first seen with nothing in flight
+    _unloaded_at: Optional[float] = None  # stopping, when the last instance stub was seen gone
+    _ended_unloaded: bool = False        # stopped by us after every model had unloaded
 
     def run(self) -> int:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -217,6 +230,7 @@ class Supervisor:
                         self._watch_engines(state)
                     self._stop_if_due()
                     self._stop_if_never_ready(started)
+                    self._end_if_unloaded()
                     if self._kill_at is not None and time.monotonic() >= self._kill_at:
                         log(f"tritonserver did not exit within {self.exit_timeout_s + self.grace_s:.0f} s "
                             f"of {self._stop_reason}: killing its process group")
@@ -236,6 +250,8 @@ class Supervisor:
             self._cleanup()
         if (self._died is not None or self._never_ready) and not crashed:
             return 1
+        if self._ended_unloaded:
+            return 0
         return rc if rc >= 0 else 128 - rc  # a crash is reported as such, even after a stub death
 
     # ---- stopping -----------------------------------------------------------------------
@@ -260,6 +276,22 @@ class Supervisor:
             self.child.send_signal(signal.SIGINT)
         except ProcessLookupError:
             pass
+
+    def _end_if_unloaded(self) -> None:
+        if not self.only_stub_models or self._stop_reason is None or self._ended_unloaded:
+            return
+        instances = {pid for pid, info in self.stubs.items() if info.instance}
+        if not instances or instances & set(processes_of(self.child.pid, also_children_of=os.getpid())):
+            return
+        now = time.monotonic()
+        if self._unloaded_at is None:
+            self._unloaded_at = now
+        elif now - self._unloaded_at >= self.unloaded_grace_s:
+            log(f"every Python model unloaded {now - self._unloaded_at:.1f} s ago and tritonserver still "
+                "waits (for an ensemble request its gRPC frontend never released): ending it")
+            self._ended_unloaded = True
+            self._kill_at = None
+            self._killpg(signal.SIGKILL)
 
     def _killpg(self, sig: int) -> None:
         self._signalled = True

@@ -28,11 +28,13 @@ STUB = textwrap.dedent("""
 SERVER = textwrap.dedent("""
     import os, signal, subprocess, sys, time
     stub, model_py, region, mode = sys.argv[1:5]
-    subprocess.Popen([stub, model_py, region, "0", "0", str(os.getpid()), "lib", "0", "llm_0_0", "DEFAULT"])
+    stub_proc = subprocess.Popen([stub, model_py, region, "0", "0", str(os.getpid()), "lib", "0", "llm_0_0", "DEFAULT"])
     if mode == "exit-on-int":      # a server that exits on SIGINT, orphaning its stub
         signal.signal(signal.SIGINT, lambda *a: os._exit(0))
     elif mode == "hang":           # a server whose exit hangs
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    elif mode == "unload-then-hang":   # its models unload (the stub exits), an ensemble never does
+        signal.signal(signal.SIGINT, lambda *a: stub_proc.kill())
     elif mode == "crash":          # a server that dies on its own
         time.sleep(1.0)
         os._exit(11)
@@ -54,12 +56,12 @@ def _setup(tmp_path: Path):
     return stub, model_py, server
 
 
-def _run_supervised(tmp_path: Path, mode: str, exit_timeout_s: int = 1):
+def _run_supervised(tmp_path: Path, mode: str, exit_timeout_s: int = 1, extra: str = ""):
     stub, model_py, server = _setup(tmp_path)
     region = f"test_supervisor_{uuid.uuid4().hex}"
     code = ("import sys; from triton_glue.supervisor import Supervisor; "
             f"sys.exit(Supervisor({[sys.executable, str(server), str(stub), str(model_py), region, mode]!r}, "
-            f"dict(__import__('os').environ), exit_timeout_s={exit_timeout_s}, grace_s=0.5, poll_s=0.1).run())")
+            f"dict(__import__('os').environ), exit_timeout_s={exit_timeout_s}, grace_s=0.5, poll_s=0.1{extra}).run())")
     sup = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     shm = Path("/dev/shm") / region
@@ -99,6 +101,32 @@ def test_sigint_leaves_no_stub_and_no_shm_region(tmp_path, mode):
             assert "killing leftover process" in out and "(stub of 'llm')" in out, out
         else:                       # the server's whole process group, stub included
             assert "killing its process group" in out, out
+    finally:
+        for pid in _stub_pids(stub):
+            os.kill(pid, signal.SIGKILL)
+        shm.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("only_stub_models", [True, False])
+def test_a_shutdown_ends_once_every_stub_model_unloaded(tmp_path, only_stub_models):
+    """tritonserver 2.51 can keep an ensemble from unloading after a client cancelled its
+    stream at the wrong moment, and waits out its exit timeout: with a repository of Python
+    models and ensembles only, the supervisor ends it once every stub has exited, as a clean
+    shutdown; with other models it cannot know they unloaded, and waits."""
+    sup, shm, stub = _run_supervised(tmp_path, "unload-then-hang", exit_timeout_s=8,
+                                     extra=f", only_stub_models={only_stub_models}, unloaded_grace_s=0.5")
+    try:
+        t0 = time.monotonic()
+        sup.send_signal(signal.SIGINT)
+        out, _ = sup.communicate(timeout=30)
+        took = time.monotonic() - t0
+        if only_stub_models:
+            assert sup.returncode == 0 and took < 5, (took, out)
+            assert "every Python model unloaded" in out, out
+        else:
+            assert sup.returncode == 128 + 9 and took >= 8, (took, out)
+            assert "killing its process group" in out, out
+        assert not shm.exists() and not _stub_pids(stub), out
     finally:
         for pid in _stub_pids(stub):
             os.kill(pid, signal.SIGKILL)

@@ -370,6 +370,37 @@ def test_signal_with_streams_in_flight(tmp_path, how, mode):
         srv.cleanup(regions)
 
 
+def test_a_cancelled_refused_ensemble_request_does_not_hold_the_shutdown(tmp_path):
+    """tritonserver 2.51's gRPC frontend never frees a refused request whose client then
+    cancels its stream, and that request holds `ensemble` loaded: SIGTERM waited out the 10 s
+    exit timeout and ended in "Exit timeout expired". The launcher ends the server once every
+    Python model has unloaded, as a clean shutdown."""
+    srv = launch_server(tmp_path, extra_env=engine_env("engine-process"))
+    regions: set[str] = set()
+    try:
+        wait_ready(srv)
+        members, regions = snapshot(srv, "engine-process")
+        for i in range(3):
+            answered = threading.Event()
+            cl = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+            cl.start_stream(callback=lambda result, error: answered.set())
+            bad = grpcclient.InferInput("text_input", [1, 1], "INT32")  # the ensemble takes BYTES
+            bad.set_data_from_numpy(np.array([[1]], np.int32))
+            cl.async_stream_infer("ensemble", [bad], request_id=f"refused-{i}")
+            assert answered.wait(30)
+            cl.stop_stream(cancel_requests=True)
+            cl.close()
+        t0 = time.monotonic()
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        rc = srv.proc.wait(SIGNAL_BOUND_S)
+        took = time.monotonic() - t0
+        log = srv.log_path.read_text(errors="replace")
+        assert rc == 0 and took < 9 and "Exit timeout expired" not in log, (rc, took, srv.log_tail())
+        assert_nothing_left(srv, members, regions, time.monotonic() + 5)
+    finally:
+        srv.cleanup(regions)
+
+
 # ---- the llm stub dies -------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ENGINE_MODES)
 def test_llm_stub_killed_with_streams_in_flight(tmp_path, mode):
