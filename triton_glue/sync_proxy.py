@@ -24,7 +24,8 @@ request's slot and KV blocks instead of generating for nobody. Without it the up
 its end (r24.10's response iterators have no cancel()). A TensorRT-LLM stop request (`stop`
 true, under the request id of a request in flight) aborts that request's upstream the same way;
 the stopped request answers with what it generated so far and the stop request with an empty
-response, as TensorRT-LLM's backend does. pb_utils is passed in.
+response, as TensorRT-LLM's backend does (a stop that overtakes its request's delivery to `llm`
+is remembered there and aborts it on arrival). pb_utils is passed in.
 """
 from __future__ import annotations
 
@@ -95,6 +96,8 @@ class SyncProxy:
         self.cancel_upstream = cancel_upstream
         self.cancel_poll_s = cancel_poll_s
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"sync-{target}")
+        # stop requests must not queue behind the requests they stop (those hold the pool)
+        self.stops = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"stop-{target}")
         self.iterators = HeldIterators()
         self._lock = threading.Lock()
         self._upstream_keys: dict[str, str] = {}   # client request id -> its upstream request's id
@@ -105,12 +108,14 @@ class SyncProxy:
         for request in requests:
             sender = request.get_response_sender()
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+            stop = False
             try:
                 streaming = any(get_bool(arrays, n, False) for n in ("streaming", "stream") if n in arrays)
+                stop = "stop" in arrays and get_bool(arrays, "stop", False)
             except ValueError as e:
                 streaming, err = None, str(e)
-            if streaming is not None and "stop" in arrays and get_bool(arrays, "stop", False):
-                self.pool.submit(self._stop, sender, request.request_id() or "")
+            if streaming is not None and stop:
+                self.stops.submit(self._stop, sender, request.request_id() or "")
                 continue
             if streaming is None or streaming:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(err if streaming is None else STREAMING_ERROR)),
@@ -121,13 +126,17 @@ class SyncProxy:
             upstream = pb.InferenceRequest(model_name=self.target, inputs=list(request.inputs()), request_id=key,
                                            requested_output_names=wanted + [ERROR_OUTPUT] if wanted else [])
             client_id = request.request_id() or ""
-            with self._lock:
-                if client_id and client_id not in self._upstream_keys:
+            if client_id:
+                with self._lock:  # the latest request under an id is the one a stop names, as in TensorRT-LLM
                     self._upstream_keys[client_id] = key
-                else:
-                    client_id = ""  # a second request under one id cannot be stopped by it
             self.pool.submit(self._run_safe, sender, upstream, key, ERROR_OUTPUT in wanted, client_id)
         return None
+
+    def _forget(self, client_id: str, key: str) -> None:
+        if client_id:
+            with self._lock:
+                if self._upstream_keys.get(client_id) == key:
+                    del self._upstream_keys[client_id]
 
     def _stop(self, sender: Any, client_id: str) -> None:
         pb = self.pb
@@ -135,6 +144,8 @@ class SyncProxy:
         try:
             if not client_id:
                 raise ValueError(STOP_WITHOUT_ID)
+            if not self.cancel_upstream:
+                raise ValueError(f"stop: {self.target} takes no cancel requests here (cancel_upstream is false)")
             with self._lock:
                 key = self._upstream_keys.get(client_id)
             if key is not None:  # else it already ended: nothing to stop
@@ -179,14 +190,6 @@ class SyncProxy:
             yield item
 
     def _run_safe(self, sender: Any, upstream: Any, key: str, keep_error_output: bool, client_id: str = "") -> None:
-        try:
-            self._run(sender, upstream, key, keep_error_output)
-        finally:
-            if client_id:
-                with self._lock:
-                    self._upstream_keys.pop(client_id, None)
-
-    def _run(self, sender: Any, upstream: Any, key: str, keep_error_output: bool) -> None:
         pb = self.pb
         try:
             rows, error = [], None
@@ -222,9 +225,12 @@ class SyncProxy:
         except Exception as e:  # noqa: BLE001 - the request must get its one response
             log.exception("sync proxy request failed")
             response = pb.InferenceResponse(error=pb.TritonError(f"internal error: {e!r}"))
+        # before the response: a client that reuses its id at once must find it free
+        self._forget(client_id, key)
         sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def close(self) -> None:
+        self.stops.shutdown(wait=True)
         self.pool.shutdown(wait=True)
         self.iterators.close()
 

@@ -71,11 +71,11 @@ class Sender:
 
 
 class Request:
-    def __init__(self, inputs, sender):
-        self._inputs, self.sender = inputs, sender
+    def __init__(self, inputs, sender, request_id=""):
+        self._inputs, self.sender, self._id = inputs, sender, request_id
 
     def get_response_sender(self): return self.sender
-    def request_id(self): return ""
+    def request_id(self): return self._id
     def inputs(self): return [types.SimpleNamespace(name=lambda k=k: k, as_numpy=lambda v=v: np.asarray(v))
                               for k, v in self._inputs.items()]
     def parameters(self): return "{}"

@@ -117,3 +117,22 @@ def test_one_execute_reaches_the_engine_as_one_message(llm_model):
     for s in senders:
         assert s.done.wait(60)
         assert s.finals == 1 and s.tokens() == 8
+
+
+def test_a_bls_cancel_that_overtakes_its_request_aborts_it_on_arrival(llm_model):
+    """A BLS caller (the tensorrt_llm proxy's stop, a deadline) can send its cancel while its
+    exec() is still delivering the request: the cancel, for a key llm has not seen yet, must
+    not be lost."""
+    control = Sender()
+    llm_model.execute([Request({"cancel_request_id": [["bls-early"]]}, control, "bls-early-cancel")])
+    assert control.done.wait(10) and control.finals == 1
+    sender = Sender()
+    llm_model.execute([Request({"input_ids": [[5, 6, 7]], "request_output_len": [[400]], "streaming": [[True]]},
+                               sender, "bls-early")])
+    assert sender.done.wait(60)
+    assert sender.finals == 1 and sender.tokens() < 100, f"ran on ({sender.tokens()} tokens streamed)"
+    # a later request under another key runs to its end
+    other = Sender()
+    llm_model.execute([Request({"input_ids": [[5, 6, 7]], "request_output_len": [[20]], "streaming": [[True]]},
+                               other, "bls-later")])
+    assert other.done.wait(60) and other.tokens() == 20

@@ -12,6 +12,7 @@ Threads (per model instance):
 Every request gets exactly one FINAL: from the dispatcher (normal end, abort, engine error),
 or from execute itself when the request is rejected before reaching the engine.
 """
+import collections
 import heapq
 import http.client
 import itertools
@@ -49,6 +50,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # max(cancel_poll_ms, streams / CANCEL_POLLS_PER_S s) (256 streams: ~1 s).
 CANCEL_POLLS_PER_S = 250
 _LAST_CANCEL_CHECK = operator.attrgetter("last_cancel_check")
+EARLY_CANCEL_S = 30.0     # how long a cancel of a BLS key not seen yet waits for its request
+EARLY_CANCEL_MAX = 4096
 FINALIZE_TIMEOUT_S = 5.0  # engine stop + final outputs, well inside the launcher's exit timeout
 
 
@@ -227,6 +230,7 @@ class TritonPythonModel:
         self._inflight = {}
         # Triton request id -> _Group: control cancels (BLS "bls-..." keys) and TensorRT-LLM stop requests
         self._by_key = {}
+        self._early_cancels = collections.OrderedDict()  # key -> until when a request under it is aborted
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # Triton calls finalize only after every in-flight request has sent FINAL, so an
@@ -296,6 +300,7 @@ class TritonPythonModel:
                 if tid and tid not in self._by_key:
                     group.key = tid
                     self._by_key[tid] = group
+                cancelled_early = self._early_cancels.pop(tid, 0.0) > time.monotonic()
             added = 0
             try:
                 for ctx, prompt, p in zip(ctxs, prompts, params):
@@ -318,6 +323,8 @@ class TritonPythonModel:
                 for ctx in ctxs[:added]:
                     self._cancel(ctx)
                 self.logger.log_warn(f"[llm] batch row {added} rejected; aborting the {added} row(s) before it")
+            if cancelled_early:
+                self._cancel(ctxs[0])
             in_engine.extend(ctxs[:added])
         except (InputError, ValueError, RuntimeError) as e:
             self.metrics.request_rejected()
@@ -457,6 +464,14 @@ class TritonPythonModel:
     def _cancel_key(self, key, stopped=False):
         with self._lock:
             group = self._by_key.get(key)
+            if group is None and key.startswith(CANCEL_PREFIX):
+                # a BLS caller's cancel can overtake its request (sent while the caller's exec()
+                # was still delivering it): remembered a while, the request is aborted on arrival
+                now = time.monotonic()
+                self._early_cancels[key] = now + EARLY_CANCEL_S
+                while self._early_cancels and (len(self._early_cancels) > EARLY_CANCEL_MAX
+                                               or next(iter(self._early_cancels.values())) < now):
+                    self._early_cancels.popitem(last=False)
         if group is not None and group.rows:
             group.stopped = group.stopped or stopped
             self._cancel(group.rows[0])
