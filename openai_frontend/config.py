@@ -6,8 +6,9 @@
     TRITON_GRPC_URL             tritonserver's gRPC endpoint (default 127.0.0.1:$GRPC_PORT, 8001)
     OPENAI_TRITON_MODEL         the route requests go to (default vllm_model)
     OPENAI_MODEL_NAME           the model id clients send and /v1/models lists (default: the route)
-    OPENAI_DEFAULT_MAX_TOKENS   max_tokens when a request gives none (default 16, OpenAI's for
-                                completions; chat uses it too, as Triton's frontend does)
+    OPENAI_DEFAULT_MAX_TOKENS   max_tokens of a chat request that gives none (default 16, OpenAI's
+                                for completions, as Triton's frontend does; a completions request
+                                without one has OpenAI's 16, with null the rest of the window)
     OPENAI_MAX_MODEL_LEN        the context window requests are checked against (default 0: the
                                 `llm` model's, read from tritonserver; context_window.py)
     OPENAI_PARENT_PID           with --exit-with-parent: the process it must outlive no longer than

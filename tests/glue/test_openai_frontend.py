@@ -244,7 +244,7 @@ class _ConfigClient:
     def __init__(self, configs):
         self.configs = configs
 
-    async def get_model_config(self, name, as_json=False):
+    async def get_model_config(self, name, as_json=False, client_timeout=None):
         return {"config": {"name": name, "parameters": {k: {"string_value": v}
                                                         for k, v in self.configs[name].items()}}}
 
@@ -270,3 +270,40 @@ def test_the_window_is_the_llm_models(monkeypatch, llm_params, env, window):
     # a route with no llm model behind it has no window to check against
     route.client.configs["vllm_model"] = {}
     assert asyncio.run(ContextWindow(route, CharTokenizer()).size()) is None
+
+
+def test_a_window_that_cannot_be_read_leaves_requests_unchecked(monkeypatch):
+    """Settings that do not resolve (a checkpoint this process cannot see) are looked up once;
+    a server not up yet is asked again after RETRY_S, not on every request."""
+    import asyncio
+    import types
+
+    from openai_frontend import context_window
+    from openai_frontend.context_window import ContextWindow
+
+    calls = []
+
+    class Client(_ConfigClient):
+        async def get_model_config(self, name, as_json=False, client_timeout=None):
+            calls.append((name, client_timeout))
+            if self.configs is None:
+                raise ConnectionError("not up")
+            return await super().get_model_config(name, as_json)
+
+    bad = types.SimpleNamespace(model="vllm_model", client=Client(
+        {"vllm_model": {"llm_model": "llm"}, "llm": {"model_path": "/nonexistent/ckpt", "max_model_len": "0"}}))
+    w = ContextWindow(bad, CharTokenizer())
+
+    async def twice():
+        return await w.size(), await w.size()
+
+    assert asyncio.run(twice()) == (None, None)
+    assert calls == [("vllm_model", 5.0), ("llm", 5.0)]  # once, with a deadline
+    down = types.SimpleNamespace(model="vllm_model", client=Client(None))
+    w = ContextWindow(down, CharTokenizer())
+    calls.clear()
+    assert asyncio.run(twice()) == (None, None) and len(calls) == 1
+    monkeypatch.setattr(context_window, "RETRY_S", 0.0)
+    w._next_try = 0.0
+    asyncio.run(w.size())
+    assert len(calls) == 2
