@@ -95,8 +95,9 @@ class AsyncEngine(OutputSinks):
 
     # ---- caller side ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    callback: Optional[Callback] = None, validated: bool = False) -> RequestStream:
-        """validated: the caller passes what validate() returned for these params (not checked again)."""
+                    callback: Optional[Callback] = None, validated: bool = False, key: str = "") -> RequestStream:
+        """validated: the caller passes what validate() returned for these params (not checked
+        again). key: EngineProcessClient's (abort_key); unused here."""
         if not self.is_healthy():
             raise RuntimeError(f"engine is not healthy: {self.error!r}")
         # errors raise here, synchronously
@@ -111,6 +112,10 @@ class AsyncEngine(OutputSinks):
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Abort(request_id))
+
+    def abort_key(self, key: str) -> None:
+        """EngineProcessClient's cancel by key across the clients of a shared core: an
+        in-process engine has no other clients, so its caller's own requests are all there is."""
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The synchronous request checks (ValueError names the field); the prompt as a list."""

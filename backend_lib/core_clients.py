@@ -52,6 +52,7 @@ class Clients:
         self.shared = shared                    # clients may attach on a listening socket
         self.conns: dict[int, Connection] = {}
         self.owner: dict[str, int] = {}         # request id -> cid
+        self.key_of: dict[str, str] = {}        # request id -> the key it was added under (ABORT_KEY)
         self.detaching: set[int] = set()        # STOP received: STOPPED once its requests ended
         self.lock = threading.Lock()
         self.closing = False                    # the engine stops: nobody attaches any more
@@ -235,6 +236,8 @@ class Writer:
         by_client: dict[int, list] = {}
         for row in rows:
             rid = row[_ROW_REQUEST_ID]
+            if row[_ROW_FINISHED]:
+                self.clients.key_of.pop(rid, None)
             cid = owner.pop(rid, None) if row[_ROW_FINISHED] else owner.get(rid)
             if cid is None:  # its client is gone (a shared core keeps no output for nobody)
                 continue

@@ -205,14 +205,15 @@ class EngineProcessClient(OutputSinks):
                                 self.config.max_stop_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    callback: Optional[Callback] = None, validated: bool = False) -> RequestStream:
-        """validated: as AsyncEngine.add_request's."""
+                    callback: Optional[Callback] = None, validated: bool = False, key: str = "") -> RequestStream:
+        """validated: as AsyncEngine.add_request's; key: a name abort_key() ends the request by,
+        from any client of the core."""
         if not self._usable():
             raise RuntimeError(f"engine is not healthy: {self.error!r}")
         # errors raise here, synchronously
         ids = prompt_token_ids if validated else self.validate(prompt_token_ids, params)
         stream = self._register(request_id, callback)
-        cmd = (wire.ADD, request_id, ids, params)
+        cmd = (wire.ADD, request_id, ids, params, key) if key else (wire.ADD, request_id, ids, params)
         batch = getattr(self._batch, "cmds", None)
         if batch is not None:
             batch.append(cmd)
@@ -284,6 +285,18 @@ class EngineProcessClient(OutputSinks):
             self._send([(wire.ABORT, request_id)])
         except OSError:
             pass  # the core is gone: the request ends with the fail-all
+
+    def abort_key(self, key: str) -> None:
+        """Abort the requests added under `key` by any client of the core (another model
+        instance's too)."""
+        batch = getattr(self._batch, "cmds", None)
+        if batch is not None:
+            batch.append((wire.ABORT_KEY, key))
+            return
+        try:
+            self._send([(wire.ABORT_KEY, key)])
+        except OSError:
+            pass  # the core is gone: every request ends with the fail-all
 
     def is_healthy(self) -> bool:
         return self.error is None and self._reader_alive() and (self._proc is None or self._proc.poll() is None)

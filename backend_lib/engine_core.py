@@ -115,7 +115,7 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
         for cmd in batch:
             kind = cmd[0]
             if kind == wire.ADD:
-                _, rid, prompt, params = cmd
+                _, rid, prompt, params, *key = cmd
                 if rid in owner:  # another client's (or a live) request: its routing stays
                     refuse(cid, rid, FinishReason.ERROR, f"request_id {rid!r} is already in use")
                     continue
@@ -123,13 +123,19 @@ def serve(conn: Connection, listener: Optional[socket.socket] = None) -> int:
                     refuse(cid, rid, FinishReason.ABORT, None)
                     continue
                 owner[rid] = cid  # before the engine can make an output for it
+                if key:
+                    clients.key_of[rid] = key[0]
                 try:
                     eng.add_request(rid, prompt, params)
                 except ValueError as e:
                     out.steps([final_row(rid, FinishReason.ERROR, str(e))])
             elif kind == wire.ABORT:
-                if owner.get(cmd[1]) == cid:  # a client ends its own requests only
+                if owner.get(cmd[1]) == cid:  # a client ends its own requests only (by id)
                     eng.abort(cmd[1])
+            elif kind == wire.ABORT_KEY:  # by key: any client's (rare: a scan is fine)
+                for rid, k in list(clients.key_of.items()):
+                    if k == cmd[1]:
+                        eng.abort(rid)
             elif kind == wire.STATS:
                 out.control((wire.STATS, cmd[1], clients.share(cid, eng.stats())), cid)
             elif kind == wire.STOP:

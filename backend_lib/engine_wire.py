@@ -19,8 +19,12 @@ from typing import Optional
 
 # ---- parent -> core commands (tuples, first item the kind) ----------------------------------
 START = "start"      # (START, EngineConfig, fault_after_steps): the first message, once
-ADD = "add"          # (ADD, request_id, prompt ids, SamplingParams)
+ADD = "add"          # (ADD, request_id, prompt ids, SamplingParams[, key]): key, the caller's
+                     # name for the request (a Triton request id) that ABORT_KEY can use
 ABORT = "abort"      # (ABORT, request_id)
+ABORT_KEY = "abort_key"  # (ABORT_KEY, key): abort the requests added under key by ANY client
+                         # (the model instances sharing a core: a cancel by Triton request id
+                         # lands on any instance, not always the one that added the request)
 STATS = "stats"      # (STATS, seq): reply (STATS, seq, EngineStats)
 UNASKED_STATS = -1   # the seq of the stats the core sends each client as its loop dies (before DIED)
 STOP = "stop"        # (STOP,): abort everything, deliver the finals, reply (STOPPED,), exit

@@ -330,6 +330,24 @@ def test_a_client_cannot_abort_another_clients_request(pair, reference):
     assert _tokens(outs) == reference([5, 6, 7], 40) and str(outs[-1].finish_reason) == "length"
 
 
+def test_a_key_aborts_its_requests_from_any_client(pair, reference):
+    """A Triton request id (the key) names a request to every instance of the model: a cancel
+    or a TensorRT-LLM stop that lands on another instance than the one that added it ends it."""
+    _, a, b = pair
+    cb, outs, got = _first_token_waiter()
+    a.add_request("a-keyed", [5, 6, 7], greedy(400, ignore_eos=True), callback=cb, key="client-42")
+    other_cb, other_outs, other_got = _first_token_waiter()
+    a.add_request("a-other", [5, 6, 7], greedy(30, ignore_eos=True), callback=other_cb, key="client-43")
+    assert got.wait(60)
+    b.abort_key("client-42")
+    _wait(lambda: outs and outs[-1].finished, 60)
+    assert str(outs[-1].finish_reason) == "abort" and len(_tokens(outs)) < 400
+    _wait(lambda: other_outs and other_outs[-1].finished, 60)  # another key runs on
+    assert _tokens(other_outs) == reference([5, 6, 7], 30)
+    b.abort_key("client-42")  # a key whose requests ended names nothing
+    _wait(lambda: a.num_inflight() == 0 and b.num_inflight() == 0, 10)
+
+
 def test_an_add_behind_a_clients_stop_is_refused(path, request):
     """An execute() thread's batched ADD that reaches the core right behind its client's STOP
     ends at once, aborted as the client's other requests at a stop (and as AsyncEngine's at

@@ -132,6 +132,36 @@ def _where_cores_wait(srv) -> str:
     return f"still alive:\n{alive}\n--- server log ---\n{srv.log_tail(200)}"
 
 
+def test_stops_and_cancels_reach_the_request_on_either_instance(tmp_path):
+    """Triton gives a TensorRT-LLM stop (or a BLS route's cancel_request_id) to any instance of
+    llm, not the one streaming the request it names: the engine core ends the request of that
+    id for whichever instance added it. Before, about half of them did nothing."""
+    srv = start_server(tmp_path, model_control="explicit", load_models=("llm",),
+                       model_repository=_two_instance_repo(tmp_path), wait_model="llm")
+    sc, ctl = StreamClient(srv.grpc_url), StreamClient(srv.grpc_url)
+    try:
+        body = {"input_ids": np.array([[1, 300, 301]], np.int32), "request_output_len": np.array([[1500]], np.int32),
+                "streaming": np.array([[True]]), "ignore_eos": np.array([[True]])}
+        # 0-3 stopped as TensorRT-LLM's clients do, 4-7 cancelled as the BLS routes do (their keys)
+        ids = [f"stop-{i}" for i in range(4)] + [f"bls-route-{i}" for i in range(4, 8)]
+        streams = [sc.send("llm", body, rid) for rid in ids]
+        assert wait_for(lambda: all(c.responses for c in streams), 60)
+        stop = {"input_ids": np.zeros((1, 1), np.int32), "request_output_len": np.array([[0]], np.int32),
+                "stop": np.array([[True]])}
+        stops = [ctl.send("llm", stop, rid) for rid in ids[:4]]
+        cancels = [ctl.send("llm", {"cancel_request_id": np.array([[rid.encode()]], object)}, f"{rid}-cancel")
+                   for rid in ids[4:]]
+        for c in streams + stops + cancels:
+            assert c.done.wait(60), "left hanging"
+        n = [sum(r.as_numpy("output_ids").shape[2] for r in c.responses) for c in streams]
+        assert all(k < 1500 for k in n) and all(c.finals == 1 and not c.errors for c in streams), n
+        assert wait_for(lambda: srv.metric("llm_num_requests_running") == 0, 10)
+    finally:
+        sc.close()
+        ctl.close()
+        srv.stop()
+
+
 def test_killed_server_leaves_no_shared_core(tmp_path):
     """tritonserver killed with streams in flight on both instances: the shared core (which
     outlives the stub that spawned it, not the server) is gone within seconds, whatever the

@@ -304,7 +304,8 @@ class TritonPythonModel:
             added = 0
             try:
                 for ctx, prompt, p in zip(ctxs, prompts, params):
-                    self.engine.add_request(ctx.rid, prompt, p, callback=self._on_output, validated=True)
+                    self.engine.add_request(ctx.rid, prompt, p, callback=self._on_output, validated=True,
+                                            key=group.key or "")
                     added += 1
             except BaseException as e:
                 with self._lock:
@@ -472,7 +473,11 @@ class TritonPythonModel:
                 while self._early_cancels and (len(self._early_cancels) > EARLY_CANCEL_MAX
                                                or next(iter(self._early_cancels.values())) < now):
                     self._early_cancels.popitem(last=False)
-        if group is not None and group.rows:
+        if group is None:
+            # another instance of this model (one engine core, count > 1) may hold it: Triton
+            # sends a cancel or stop to any instance
+            self.engine.abort_key(key)
+        elif group.rows:
             group.stopped = group.stopped or stopped
             self._cancel(group.rows[0])
 
