@@ -277,24 +277,20 @@ class EngineProcessClient(OutputSinks):
             return self._stopping and self.error is None
 
     def abort(self, request_id: str) -> None:
-        batch = getattr(self._batch, "cmds", None)
-        if batch is not None:
-            batch.append((wire.ABORT, request_id))
-            return
-        try:
-            self._send([(wire.ABORT, request_id)])
-        except OSError:
-            pass  # the core is gone: the request ends with the fail-all
+        self._abort_command((wire.ABORT, request_id))
 
     def abort_key(self, key: str) -> None:
         """Abort the requests added under `key` by any client of the core (another model
         instance's too)."""
+        self._abort_command((wire.ABORT_KEY, key))
+
+    def _abort_command(self, cmd: tuple) -> None:
         batch = getattr(self._batch, "cmds", None)
         if batch is not None:
-            batch.append((wire.ABORT_KEY, key))
+            batch.append(cmd)
             return
         try:
-            self._send([(wire.ABORT_KEY, key)])
+            self._send([cmd])
         except OSError:
             pass  # the core is gone: every request ends with the fail-all
 

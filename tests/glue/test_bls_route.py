@@ -13,33 +13,12 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sender_fakes import RecordingSender  # noqa: E402
+from pb_fakes import RecordingSender, Tensor as _Tensor, TritonError as _TritonError  # noqa: E402
 from tokenizers_for_tests import llama_like  # noqa: E402
 
 from triton_glue.bls import BlsRoute, RequestHooks, RouteHooks  # noqa: E402
 from triton_glue.vllm_compat import parse_vllm_request  # noqa: E402
 from triton_glue.vllm_metrics import VllmRouteHooks  # noqa: E402
-
-
-class _Tensor:
-    def __init__(self, name, array):
-        self._name, self._array = name, np.asarray(array)
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._array
-
-
-class _TritonError:
-    CANCELLED = "CANCELLED"
-
-    def __init__(self, message, code=None):
-        self._message, self.code = message, code
-
-    def message(self):
-        return self._message
 
 
 class _Response:

@@ -13,7 +13,7 @@ from triton_glue.sequences import SequenceJoiner, fan_out
 from triton_glue.bls import Chunk
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sender_fakes import RecordingSender  # noqa: E402
+from pb_fakes import RecordingSender  # noqa: E402
 
 
 def engine_dict(sampled, lp, top):

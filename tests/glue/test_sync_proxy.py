@@ -2,6 +2,7 @@
 upstream (`llm`) generates until a cancel_request_id control request names its key."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -13,7 +14,7 @@ from triton_glue.sync_proxy import SyncProxy
 from triton_glue.trtllm import STOP_WITHOUT_ID
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sender_fakes import RecordingSender  # noqa: E402
+from pb_fakes import RecordingSender, Tensor, TritonError  # noqa: E402
 
 FINAL = 1
 
@@ -21,24 +22,8 @@ FINAL = 1
 class FakePb:
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
 
-    class TritonError:
-        CANCELLED = "CANCELLED"
-
-        def __init__(self, message, code=None):
-            self._message, self.code = message, code
-
-        def message(self):
-            return self._message
-
-    class Tensor:
-        def __init__(self, name, array):
-            self._name, self._array = name, np.asarray(array)
-
-        def name(self):
-            return self._name
-
-        def as_numpy(self):
-            return self._array
+    TritonError = TritonError
+    Tensor = Tensor
 
     class InferenceResponse:
         def __init__(self, output_tensors=None, error=None):
@@ -118,10 +103,18 @@ def _tokens(response):
     return response.output_tensors()[0].as_numpy().shape[2]
 
 
-def test_stop_by_id_returns_the_partial_output_and_an_empty_reply():
+@contextlib.contextmanager
+def serving_proxy(max_workers=4, cancel_upstream=True):
     FakePb.cancelled, FakePb.delivered = {}, {}
-    proxy = SyncProxy(FakePb, "llm", max_workers=4, cancel_upstream=True)
+    proxy = SyncProxy(FakePb, "llm", max_workers=max_workers, cancel_upstream=cancel_upstream)
     try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def test_stop_by_id_returns_the_partial_output_and_an_empty_reply():
+    with serving_proxy() as proxy:
         first = _generate("7")
         proxy.execute([first])
         time.sleep(0.05)
@@ -136,28 +129,20 @@ def test_stop_by_id_returns_the_partial_output_and_an_empty_reply():
         time.sleep(0.05)
         proxy.execute([_stop("7")])
         assert 0 < _tokens(_wait_final(again)) < 1000
-    finally:
-        proxy.close()
 
 
 def test_a_stop_without_id_or_for_no_request_in_flight():
-    FakePb.cancelled, FakePb.delivered = {}, {}
-    proxy = SyncProxy(FakePb, "llm", max_workers=4, cancel_upstream=True)
-    try:
+    with serving_proxy() as proxy:
         no_id = _stop("")
         proxy.execute([no_id])
         assert _wait_final(no_id).error().message() == STOP_WITHOUT_ID
         unknown = _stop("nobody")
         proxy.execute([unknown])
         assert not _wait_final(unknown).has_error() and not FakePb.cancelled
-    finally:
-        proxy.close()
 
 
 def test_the_latest_request_under_an_id_is_the_one_stopped():
-    FakePb.cancelled, FakePb.delivered = {}, {}
-    proxy = SyncProxy(FakePb, "llm", max_workers=4, cancel_upstream=True)
-    try:
+    with serving_proxy() as proxy:
         older, newer = _generate("dup"), _generate("dup")
         proxy.execute([older])
         proxy.execute([newer])
@@ -165,16 +150,12 @@ def test_the_latest_request_under_an_id_is_the_one_stopped():
         proxy.execute([_stop("dup")])
         assert 0 < _tokens(_wait_final(newer)) < 1000
         assert _tokens(_wait_final(older, timeout=30)) == 1000
-    finally:
-        proxy.close()
 
 
 def test_a_stop_does_not_wait_for_a_free_request_worker():
     """Every request worker busy with a request (max_concurrent_requests 1): the stop still
     reaches the request it names."""
-    FakePb.cancelled, FakePb.delivered = {}, {}
-    proxy = SyncProxy(FakePb, "llm", max_workers=1, cancel_upstream=True)
-    try:
+    with serving_proxy(max_workers=1) as proxy:
         running = _generate("busy")
         proxy.execute([running])
         time.sleep(0.05)
@@ -182,19 +163,13 @@ def test_a_stop_does_not_wait_for_a_free_request_worker():
         proxy.execute([stop])
         assert 0 < _tokens(_wait_final(running)) < 1000
         assert not _wait_final(stop).has_error()
-    finally:
-        proxy.close()
 
 
 def test_a_stop_without_cancel_upstream_is_refused():
-    FakePb.cancelled, FakePb.delivered = {}, {}
-    proxy = SyncProxy(FakePb, "llm", max_workers=2, cancel_upstream=False)
-    try:
+    with serving_proxy(max_workers=2, cancel_upstream=False) as proxy:
         stop = _stop("x")
         proxy.execute([stop])
         assert "cancel_upstream" in _wait_final(stop).error().message()
         batched = _Request({"input_ids": np.zeros((2, 1), np.int32), "stop": np.array([[True], [True]])}, "x")
         proxy.execute([batched])  # one response naming the input, not an exception out of execute
         assert "stop" in _wait_final(batched).error().message()
-    finally:
-        proxy.close()
