@@ -285,6 +285,8 @@ class EngineProcessClient(OutputSinks):
         self._abort_command((wire.ABORT_KEY, key))
 
     def _abort_command(self, cmd: tuple) -> None:
+        if not self._usable():
+            return  # the core is gone: every request ends with the fail-all (a send could block)
         batch = getattr(self._batch, "cmds", None)
         if batch is not None:
             batch.append(cmd)

@@ -201,7 +201,6 @@ class Supervisor:
     _signalled: bool = False             # we sent tritonserver a signal (its exit status is ours)
     _stub_died: Optional[StubInfo] = None
     _died: Optional[str] = None          # what died (a stub, an engine): the server is stopped for it
-    _engines_seen_healthy: bool = False  # a 0 counts only after every engine read 1 once
     _next_stub_scan: float = 0.0
     _never_ready: bool = False
     _death_at: Optional[float] = None    # when a stub death was seen: a stop is due
@@ -342,14 +341,12 @@ class Supervisor:
                         "tritonserver 2.51 neither restarts it nor answers the requests waiting on it")
 
     def _watch_engines(self, state: str) -> None:
+        # a gauge exists only from the engine's first export, when it was up: any 0 is a death
+        # (waiting to see a 1 first would miss an engine killed before a poll read it)
         if state != "ready" or self._stop_reason is not None or self._died is not None:
             return
         values = self.engines_healthy()
-        if not values:
-            return
-        if min(values) > 0:
-            self._engines_seen_healthy = True
-        elif self._engines_seen_healthy:
+        if values and min(values) <= 0:
             self._death("engine of 'llm'", "an engine of model 'llm' died (llm_engine_healthy 0; the log above "
                         "says why); every request to it fails while tritonserver keeps reporting ready")
 

@@ -202,17 +202,18 @@ def _dead_stub_supervisor(inflight: list):
 def test_a_dead_engine_stops_the_server_as_a_dead_stub_does():
     """llm_engine_healthy 0 (the engine process killed, the engine thread failed) while the
     server reports ready: every later request would fail, so the server is stopped the same
-    bounded way. A 0 before every engine was once seen healthy (start-up) is no death; the
-    gauges read while the server is not ready are not looked at."""
+    bounded way, also when no poll saw it healthy before (the gauge only exists once the
+    engine was up: killed right after the start, it reads 0 at the first poll); the gauges
+    read while the server is not ready are not looked at."""
     from triton_glue import supervisor as sv
 
-    health = [[0.0]]
+    health = [[]]
     deaths = []
     s = sv.Supervisor(argv=[], env={}, exit_timeout_s=1, on_stub_death=deaths.append,
                       server_state=lambda: "ready", engines_healthy=lambda: health[0], bls_inflight=lambda: 0.0)
     s.child = _RunningServer()
     s._watch_engines("ready")
-    assert s._died is None                       # never seen healthy yet
+    assert s._died is None                       # no engine exported yet
     health[0] = [1.0, 1.0]
     s._watch_engines("ready")
     health[0] = None
@@ -227,6 +228,12 @@ def test_a_dead_engine_stops_the_server_as_a_dead_stub_does():
     s._drained_at -= s.stub_death_flush_s
     s._stop_if_due()
     assert s._stop_reason == "engine of 'llm' died"
+    # an engine killed before any poll read its 1
+    s = sv.Supervisor(argv=[], env={}, exit_timeout_s=1, server_state=lambda: "ready",
+                      engines_healthy=lambda: [0.0], bls_inflight=lambda: 0.0)
+    s.child = _RunningServer()
+    s._watch_engines("ready")
+    assert s._died == "engine of 'llm'"
 
 
 def test_stub_death_stops_the_server_once_the_bls_routes_drained():
