@@ -101,12 +101,17 @@ class EngineConfig:
         from .graph_buckets import parse_token_buckets
         parse_token_buckets(self.cuda_graph_mixed_tokens, self.max_num_batched_tokens)  # raises, naming the field
 
-    def context_window(self) -> int:
+    def context_window(self, checkpoint_config: Any = None) -> int:
         """max_model_len, 0 resolved to the checkpoint's max_position_embeddings: the engine's
-        limit on prompt + output tokens (the OpenAI frontend checks requests against it too)."""
-        from .models.hf_config import load_hf_config
+        limit on prompt + output tokens (the OpenAI frontend checks requests against it too).
+        checkpoint_config: the model_path's config when the caller has loaded it already."""
+        if self.max_model_len:
+            return self.max_model_len
+        if checkpoint_config is None:
+            from .models.hf_config import load_hf_config
 
-        return self.max_model_len or load_hf_config(self.model_path).max_position_embeddings
+            checkpoint_config = load_hf_config(self.model_path)
+        return checkpoint_config.max_position_embeddings
 
     # ---- Triton parameters ------------------------------------------------------------
     @classmethod

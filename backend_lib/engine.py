@@ -49,7 +49,7 @@ class LLMEngine:
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device: 'cuda' requested but CUDA is not available")
         hf = load_hf_config(cfg.model_path)
-        self.max_model_len = cfg.context_window()
+        self.max_model_len = cfg.context_window(hf)
         if self.max_model_len > hf.max_position_embeddings:
             raise ValueError(f"EngineConfig.max_model_len: {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={hf.max_position_embeddings}")
